@@ -1,0 +1,318 @@
+"""RLOOModule: rollout in ``training_step``, leave-one-out advantages, sequence-level REINFORCE loss."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import Tensor
+from torchmetrics import MeanMetric
+
+from rloo_lightning.objectives import (
+    leave_one_out_advantages,
+    masked_sum,
+    policy_loss,
+    sequence_kl,
+    token_entropy,
+    token_logprobs,
+)
+from rloo_lightning.rewards import RewardSet
+from rloo_lightning.rollout import Rollout, derive_seed, generate_rollout, sampling_config
+
+__all__ = ["RLOOModule", "warmup_constant_schedule"]
+
+
+def warmup_constant_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int):
+    """Linear warm-up from ~0 to the base rate over ``warmup_steps``, then constant (the paper's schedule)."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps))
+    )
+
+
+class _Frozen:
+    """Holds a frozen model outside the registered submodules: never trained, wrapped or checkpointed."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model.eval().requires_grad_(False)
+
+
+class RLOOModule(LightningModule):
+    """RLOO (Ahmadian et al. 2024) for a Hugging Face causal LM.
+
+    Each training step samples ``k`` completions for each prompt of the batch, scores them,
+    folds the sequence KL to the reference into the reward, forms leave-one-out advantages and
+    takes one on-policy REINFORCE step (no importance ratio, no clip).
+
+    Args:
+        model_name_or_path: policy to train: hub id, local directory, or ``tiny:<task>``.
+        reward_funcs: reward functions as import paths (``"pkg.module.fn"``); executes their code.
+        reward_weights: one weight per reward function (default: all 1).
+        k: completions per prompt (>= 2). The paper uses 2 and 4.
+        beta: KL coefficient. ``R = r - beta * sum_t (logp_t - ref_logp_t)``, detached, before the
+            baseline (paper Sec. 2.3). ``beta = 0`` loads no reference model.
+        max_new_tokens: completion budget; a completion without EOS by then is truncated.
+        temperature: sampling temperature; log-probs use the same one, so that the gradient is of
+            the distribution that was sampled.
+        top_k: 0 = off. Anything else samples from a truncated distribution that is *not* pi_theta
+            and biases the estimator; for ablations only.
+        top_p: 1.0 = off. Same caveat as ``top_k``.
+        repetition_penalty: 1.0 = off. Same caveat as ``top_k``.
+        seed: base of the sampling seeds; each step samples with a seed derived from
+            (seed, rank, global step), so a resumed run samples what an uninterrupted one would.
+        disable_dropout: turn every dropout off in the policy (and reference), so that the log-probs
+            of the update are those of the sampler.
+        warmup_ratio: fraction of the total steps for the linear warm-up of the default
+            constant-rate schedule (the paper: 3%). Ignored when ``lr_scheduler`` is given.
+        validate_at_start: run a validation pass before the first update and log it at step 0
+            (Lightning's sanity check does not log).
+        val_greedy: also evaluate greedy decoding, logged as ``val/reward_greedy``.
+        trust_remote_code: executes code shipped with the model; off unless set.
+        optimizer: optimizer factory (default AdamW, lr 1e-6 as in the paper).
+        lr_scheduler: scheduler factory (default: linear warm-up then constant).
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str,
+        reward_funcs: list[str],
+        reward_weights: list[float] | None = None,
+        k: int = 4,
+        beta: float = 0.05,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        repetition_penalty: float = 1.0,
+        seed: int = 0,
+        disable_dropout: bool = True,
+        warmup_ratio: float = 0.03,
+        validate_at_start: bool = True,
+        val_greedy: bool = True,
+        trust_remote_code: bool = False,
+        optimizer: OptimizerCallable | None = None,
+        lr_scheduler: LRSchedulerCallable | None = None,
+    ) -> None:
+        super().__init__()
+        if k < 2:
+            raise ValueError(f"k must be >= 2 (the leave-one-out baseline needs another sample), got k={k}")
+        if beta < 0:
+            raise ValueError(f"beta must be >= 0, got {beta}")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not 0 <= warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        # Resolve reward import paths now: a typo fails before any model is loaded.
+        self.rewards = RewardSet.from_specs(reward_funcs, reward_weights)
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = lr_scheduler
+        self.policy: torch.nn.Module | None = None
+        self.tokenizer = None
+        self._ref: _Frozen | None = None
+        self.val_reward = MeanMetric(nan_strategy="ignore")
+        self.val_reward_greedy = MeanMetric(nan_strategy="ignore")
+
+    # -- models --------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Load policy, tokenizer and (if beta > 0) reference; idempotent (Lightning may call it twice)."""
+        if self.policy is not None:
+            return
+        from rloo_lightning.models import load_causal_lm, load_tokenizer
+
+        hp = self.hparams
+        self.tokenizer = load_tokenizer(hp.model_name_or_path, trust_remote_code=hp.trust_remote_code)
+        self.policy = load_causal_lm(hp.model_name_or_path, trust_remote_code=hp.trust_remote_code)
+        # from_pretrained returns eval mode and Lightning does not call .train(): set it.
+        self.policy.train()
+        if hp.beta > 0:
+            self._ref = _Frozen(load_causal_lm(hp.model_name_or_path, trust_remote_code=hp.trust_remote_code))
+        if hp.disable_dropout:
+            for model in (self.policy, self._ref.model if self._ref else None):
+                for m in model.modules() if model is not None else ():
+                    if isinstance(m, torch.nn.Dropout):
+                        m.p = 0.0
+        eos = self.tokenizer.eos_token_id
+        self.eos_token_ids = [eos]
+        self.generation_config = sampling_config(
+            hp.max_new_tokens, self.eos_token_ids, self.tokenizer.pad_token_id,
+            hp.temperature, hp.top_k, hp.top_p, hp.repetition_penalty,
+        )
+        self.greedy_config = sampling_config(
+            hp.max_new_tokens, self.eos_token_ids, self.tokenizer.pad_token_id, do_sample=False
+        )
+        # Replace the shipped config too, so that nothing from it can be merged into ours.
+        self.policy.generation_config = self.generation_config
+
+    @property
+    def reference(self) -> torch.nn.Module | None:
+        """The frozen reference policy on this module's device (None when beta == 0)."""
+        if self._ref is None:
+            return None
+        if next(self._ref.model.parameters()).device != self.device:
+            self._ref.model.to(self.device)
+        return self._ref.model
+
+    def configure_callbacks(self):
+        from rloo_lightning.callbacks import ValidateAtStart
+
+        return [ValidateAtStart()] if self.hparams.validate_at_start else []
+
+    def configure_optimizers(self):
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        if self.optimizer_factory is None:
+            optimizer = torch.optim.AdamW(params, lr=1e-6)
+        else:
+            optimizer = self.optimizer_factory(params)
+        if self.scheduler_factory is not None:
+            scheduler = self.scheduler_factory(optimizer)
+        else:
+            total = self.trainer.estimated_stepping_batches
+            scheduler = warmup_constant_schedule(optimizer, int(self.hparams.warmup_ratio * total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # -- the pieces of a step ------------------------------------------------------------------
+    def sampling_seed(self, stream: str, step: int) -> int:
+        """Seed of one generation call, from (seed, rank, stream, step)."""
+        return derive_seed(self.hparams.seed, self.global_rank, stream, step)
+
+    def rollout(self, batch: dict, k: int, seed: int, greedy: bool = False) -> Rollout:
+        """Sample ``k`` completions per prompt of ``batch`` from the policy."""
+        return generate_rollout(
+            self.policy, self.tokenizer, batch["input_ids"], batch["attention_mask"],
+            batch["prompt"], batch["columns"], k,
+            self.greedy_config if greedy else self.generation_config, seed,
+        )
+
+    def completion_logits(self, model: torch.nn.Module, rollout: Rollout) -> Tensor:
+        """Logits ``[B, T, V]`` predicting each completion token, prompt and all in one forward.
+
+        Position ids come from the attention mask, so left padding does not shift positions.
+        """
+        ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
+        attn = torch.cat([rollout.prompt_mask, torch.ones_like(rollout.completion_ids)], dim=1)
+        position_ids = (attn.cumsum(1) - 1).clamp(min=0)
+        T = rollout.completion_ids.shape[1]
+        out = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=False,
+                    logits_to_keep=T + 1)
+        return out.logits[:, :-1]
+
+    def score(self, rollout: Rollout) -> None:
+        """Fill ``rollout.scores`` and ``rollout.rewards`` (the weighted task reward r)."""
+        total, per_func = self.rewards.score(
+            rollout.prompts, rollout.completions, rollout.completion_token_lists(), rollout.columns
+        )
+        rollout.rewards = total.to(self.device)
+        rollout.scores = {name: v.to(self.device) for name, v in per_func.items()}
+
+    # -- training ------------------------------------------------------------------------------
+    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        hp = self.hparams
+        # 1. Rollout: k samples per prompt from pi_theta itself (explicit sampler, seeded by step).
+        rollout = self.rollout(batch, hp.k, self.sampling_seed("train", self.global_step))
+        mask = rollout.completion_mask
+
+        # 2. Rewards: weighted sum of the reward functions (NaN = missing).
+        self.score(rollout)
+
+        # 3. Log-probs of the completion: policy with grad, reference without, same temperature.
+        logits = self.completion_logits(self.policy, rollout)
+        logp = token_logprobs(logits, rollout.completion_ids, hp.temperature)
+        entropy = token_entropy(logits.detach(), hp.temperature)
+        del logits
+
+        # 4. KL k1 on the sequence, detached, folded into the reward *before* the baseline:
+        #    R = r - beta * log pi(y)/pi_ref(y) (paper Sec. 2.3), unbiased for E[r] - beta*KL.
+        rollout.shaped_rewards = rollout.rewards
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logp = token_logprobs(self.completion_logits(self.reference, rollout),
+                                          rollout.completion_ids, hp.temperature)
+            rollout.kl = sequence_kl(logp.detach(), ref_logp, mask)
+            rollout.shaped_rewards = rollout.rewards - hp.beta * rollout.kl
+        rollout.keep = torch.ones_like(rollout.rewards, dtype=torch.bool)
+        self._call_rollout_hooks(rollout)
+
+        # 5. Leave-one-out advantages per prompt group: A_i = R_i - mean_{j != i} R_j.
+        rewards = torch.where(rollout.keep, rollout.shaped_rewards, torch.full_like(rollout.rewards, torch.nan))
+        advantages = leave_one_out_advantages(rewards, hp.k)
+
+        # 6. Sequence-level REINFORCE: -mean_i A_i * sum_t m_t logp_t over the kept sequences.
+        num_kept = rollout.keep.sum().clamp(min=1)
+        loss = policy_loss(advantages, logp, mask, num_sequences=num_kept)
+
+        self._log_train_metrics(rollout, advantages, entropy, loss)
+        return loss
+
+    def _call_rollout_hooks(self, rollout: Rollout) -> None:
+        from rloo_lightning.callbacks import RolloutHook
+
+        for callback in self.trainer.callbacks if self._trainer is not None else []:
+            if isinstance(callback, RolloutHook):
+                callback.on_rollout(self.trainer, self, rollout)
+
+    def _log_train_metrics(self, rollout: Rollout, advantages: Tensor, entropy: Tensor, loss: Tensor) -> None:
+        """Log step metrics, each an exact global mean: sums and counts are all-reduced, not means."""
+        mask, k = rollout.completion_mask, rollout.k
+        valid = ~torch.isnan(rollout.rewards)
+        groups = rollout.rewards.view(-1, k)
+        group_std = torch.nan_to_num(groups, nan=0.0).std(dim=1, unbiased=False)
+        ones = torch.ones_like(rollout.rewards)
+        sums = {
+            # name: (sum, count)
+            "train/reward": (torch.nan_to_num(rollout.rewards).sum(), valid.sum()),
+            "train/reward_std": (group_std.sum(), torch.tensor(groups.shape[0])),
+            "train/zero_std_groups": ((group_std == 0).sum(), torch.tensor(groups.shape[0])),
+            "train/advantage_abs": (advantages.abs().sum(), ones.sum()),
+            "train/completion_length": (mask.sum(), ones.sum()),
+            "train/clipped_ratio": (rollout.truncated.sum(), ones.sum()),
+            "train/entropy": (masked_sum(entropy, mask).sum(), mask.sum()),
+            "train/loss": (loss.detach(), torch.tensor(1.0)),
+        }
+        if rollout.kl is not None:
+            sums["train/kl"] = (rollout.kl.sum(), ones.sum())
+        for name, values in rollout.scores.items():
+            ok = ~torch.isnan(values)
+            sums[f"train/score/{name}"] = (torch.nan_to_num(values).sum(), ok.sum())
+        names = list(sums)
+        stacked = torch.stack([torch.stack([s.float().to(self.device), c.float().to(self.device)])
+                               for s, c in sums.values()])
+        if self.trainer.world_size > 1:
+            stacked = self.trainer.strategy.reduce(stacked, reduce_op="sum")
+        means = (stacked[:, 0] / stacked[:, 1].clamp(min=1)).tolist()
+        metrics = dict(zip(names, means))
+        for name, value in metrics.items():
+            self.log(name, value, prog_bar=name in ("train/reward", "train/kl"), batch_size=len(rollout.prompts))
+
+    # -- validation ----------------------------------------------------------------------------
+    def evaluate_batch(self, batch: dict, batch_idx: int) -> dict[str, Tensor]:
+        """Per-prompt rewards of one sampled completion (training sampler) and of greedy decoding.
+
+        The sampling seed depends on the batch only, not the step: every evaluation draws the
+        same random stream, so that val curves compare policies rather than noise.
+        """
+        out = {}
+        rollout = self.rollout(batch, 1, self.sampling_seed("val", batch_idx))
+        self.score(rollout)
+        out["val/reward"] = rollout.rewards
+        if self.hparams.val_greedy:
+            greedy = self.rollout(batch, 1, 0, greedy=True)
+            self.score(greedy)
+            out["val/reward_greedy"] = greedy.rewards
+        return out
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        out = self.evaluate_batch(batch, batch_idx)
+        self.val_reward.update(out["val/reward"])
+        self.log("val/reward", self.val_reward, prog_bar=True, batch_size=len(batch["prompt"]))
+        if "val/reward_greedy" in out:
+            self.val_reward_greedy.update(out["val/reward_greedy"])
+            self.log("val/reward_greedy", self.val_reward_greedy, batch_size=len(batch["prompt"]))
+
+    # -- export --------------------------------------------------------------------------------
+    def save_pretrained(self, directory: str) -> None:
+        """Write the policy and tokenizer in Hugging Face format (``from_pretrained`` loads it)."""
+        self.policy.save_pretrained(directory)
+        self.tokenizer.save_pretrained(directory)
+

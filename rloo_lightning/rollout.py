@@ -1,0 +1,169 @@
+"""The rollout record and generation: repeat prompts, sample, masks, decode."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import GenerationConfig
+
+from rloo_lightning.objectives import completion_mask
+
+__all__ = ["Rollout", "sampling_config", "derive_seed", "generate_rollout"]
+
+
+@dataclass
+class Rollout:
+    """One rollout: ``B = N*k`` completions, prompt-major (the k samples of prompt p at p*k..p*k+k-1).
+
+    Callbacks see this record between scoring and the loss (:class:`rloo_lightning.callbacks.RolloutHook`)
+    and may edit ``rewards`` or ``keep``.
+
+    Attributes:
+        k: samples per prompt.
+        prompt_ids, prompt_mask: ``[B, P]`` left-padded prompt tokens (each prompt repeated k times).
+        completion_ids: ``[B, T]`` sampled tokens (padding after the end).
+        completion_mask: ``[B, T]`` float, 1 up to and including the first EOS.
+        truncated: ``[B]`` bool, no EOS within ``max_new_tokens``.
+        prompts, completions: ``B`` strings (completion text without the EOS).
+        columns: the dataset's extra columns, each a list of ``B`` values.
+        scores: ``{reward name: [B]}`` per reward function (NaN: no reward).
+        rewards: ``[B]`` the task reward r (weighted sum of ``scores``), before any KL term.
+        kl: ``[B]`` sequence KL log pi(y)/pi_ref(y) (detached), or None when beta == 0.
+        shaped_rewards: ``[B]`` the reward the advantages are computed from (r - beta*kl by default).
+        keep: ``[B]`` bool; rows set False by a callback leave the loss (advantage 0) and the
+            loss is averaged over the kept rows.
+    """
+
+    k: int
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    truncated: Tensor
+    prompts: list[str]
+    completions: list[str]
+    columns: dict[str, list] = field(default_factory=dict)
+    scores: dict[str, Tensor] = field(default_factory=dict)
+    rewards: Tensor | None = None
+    kl: Tensor | None = None
+    shaped_rewards: Tensor | None = None
+    keep: Tensor | None = None
+
+    @property
+    def num_prompts(self) -> int:
+        return self.completion_ids.shape[0] // self.k
+
+    def completion_token_lists(self) -> list[list[int]]:
+        """Each completion's token ids, up to and including its EOS."""
+        lengths = self.completion_mask.sum(1).long().tolist()
+        return [row[:n] for row, n in zip(self.completion_ids.tolist(), lengths)]
+
+
+def sampling_config(
+    max_new_tokens: int,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
+    do_sample: bool = True,
+) -> GenerationConfig:
+    """An explicit generation config: every sampling field set, so that nothing is inherited.
+
+    transformers fills each field left ``None`` from the model's shipped ``generation_config``
+    and then from global defaults (``top_k=50``); a sampler truncated that way is not pi_theta,
+    and the REINFORCE estimator would be biased. Hence all fields are given values here.
+    """
+    return GenerationConfig(
+        do_sample=do_sample,
+        temperature=temperature if do_sample else 1.0,
+        top_k=top_k if do_sample else 0,
+        top_p=top_p if do_sample else 1.0,
+        min_p=None,
+        typical_p=1.0,
+        epsilon_cutoff=0.0,
+        eta_cutoff=0.0,
+        repetition_penalty=repetition_penalty,
+        no_repeat_ngram_size=0,
+        length_penalty=1.0,
+        num_beams=1,
+        num_return_sequences=1,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        eos_token_id=list(eos_token_ids),
+        pad_token_id=pad_token_id,
+        bad_words_ids=None,
+        suppress_tokens=None,
+        begin_suppress_tokens=None,
+        forced_bos_token_id=None,
+        forced_eos_token_id=None,
+        use_cache=True,
+        renormalize_logits=False,
+    )
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed from parts such as (seed, rank, step): stable across runs and Python versions."""
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+@torch.no_grad()
+def generate_rollout(
+    model,
+    tokenizer,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    prompts: list[str],
+    columns: dict[str, list],
+    k: int,
+    generation_config: GenerationConfig,
+    seed: int,
+) -> Rollout:
+    """Sample ``k`` completions per prompt with the explicit config, from a seeded RNG stream.
+
+    Args:
+        model: the Hugging Face causal LM itself (not a strategy wrapper: DDP has no ``generate``).
+        input_ids, attention_mask: ``[N, P]`` left-padded prompts.
+        k: completions per prompt; the k copies of a prompt are contiguous (prompt-major).
+        seed: the sampling seed; the global RNG is left as it was (``fork_rng``).
+
+    ``torch.no_grad`` and not ``inference_mode``: tensors made here enter the autograd graph later.
+    """
+    prompt_ids = input_ids.repeat_interleave(k, dim=0)
+    prompt_mask = attention_mask.repeat_interleave(k, dim=0)
+    devices = [input_ids.device] if input_ids.device.type == "cuda" else []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            out = model.generate(
+                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config
+            )
+    finally:
+        model.train(was_training)
+    completion_ids = out[:, prompt_ids.shape[1] :]
+    eos = generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    mask = completion_mask(completion_ids, eos)
+    truncated = ~torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device)).any(1)
+    rollout = Rollout(
+        k=k,
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=mask,
+        truncated=truncated,
+        prompts=[p for p in prompts for _ in range(k)],
+        completions=[],
+        columns={name: [v for v in values for _ in range(k)] for name, values in columns.items()},
+    )
+    rollout.completions = tokenizer.batch_decode(
+        rollout.completion_token_lists(), skip_special_tokens=True
+    )
+    return rollout
