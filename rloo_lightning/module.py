@@ -7,6 +7,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 from torchmetrics import MeanMetric
+from transformers import GenerationConfig
 
 from rloo_lightning.objectives import (
     leave_one_out_advantages,
@@ -142,8 +143,10 @@ class RLOOModule(LightningModule):
         self.greedy_config = sampling_config(
             hp.max_new_tokens, self.eos_token_ids, self.tokenizer.pad_token_id, do_sample=False
         )
-        # Replace the shipped config too, so that nothing from it can be merged into ours.
-        self.policy.generation_config = self.generation_config
+        # transformers merges the model's shipped generation_config into every unset field of
+        # ours; an empty one leaves nothing to merge. The shipped one is restored on export.
+        self.shipped_generation_config = self.policy.generation_config
+        self.policy.generation_config = GenerationConfig()
 
     @property
     def reference(self) -> torch.nn.Module | None:
@@ -313,6 +316,11 @@ class RLOOModule(LightningModule):
     # -- export --------------------------------------------------------------------------------
     def save_pretrained(self, directory: str) -> None:
         """Write the policy and tokenizer in Hugging Face format (``from_pretrained`` loads it)."""
-        self.policy.save_pretrained(directory)
+        live = self.policy.generation_config
+        self.policy.generation_config = self.shipped_generation_config
+        try:
+            self.policy.save_pretrained(directory)
+        finally:
+            self.policy.generation_config = live
         self.tokenizer.save_pretrained(directory)
 

@@ -80,9 +80,10 @@ def sampling_config(
     """
     return GenerationConfig(
         do_sample=do_sample,
-        temperature=temperature if do_sample else 1.0,
-        top_k=top_k if do_sample else 0,
-        top_p=top_p if do_sample else 1.0,
+        # Greedy ignores the sampling fields; None there only silences transformers' warning.
+        temperature=temperature if do_sample else None,
+        top_k=top_k if do_sample else None,
+        top_p=top_p if do_sample else None,
         min_p=None,
         typical_p=1.0,
         epsilon_cutoff=0.0,
