@@ -112,6 +112,8 @@ class RLOOModule(LightningModule):
         self.policy: torch.nn.Module | None = None
         self.tokenizer = None
         self._ref: _Frozen | None = None
+        # The KL coefficient in use; a buffer so that an adaptive controller's value is checkpointed.
+        self.register_buffer("beta", torch.tensor(float(beta)))
         self.val_reward = MeanMetric(nan_strategy="ignore")
         self.val_reward_greedy = MeanMetric(nan_strategy="ignore")
 
@@ -232,28 +234,46 @@ class RLOOModule(LightningModule):
             with torch.no_grad():
                 ref_logp = token_logprobs(self.completion_logits(self.reference, rollout),
                                           rollout.completion_ids, hp.temperature)
+            rollout.token_kl = (logp.detach() - ref_logp) * mask
             rollout.kl = sequence_kl(logp.detach(), ref_logp, mask)
-            rollout.shaped_rewards = rollout.rewards - hp.beta * rollout.kl
+            rollout.shaped_rewards = rollout.rewards - self.beta * rollout.kl
         rollout.keep = torch.ones_like(rollout.rewards, dtype=torch.bool)
-        self._call_rollout_hooks(rollout)
+        self._call_rollout_hooks("on_rollout", rollout)
 
         # 5. Leave-one-out advantages per prompt group: A_i = R_i - mean_{j != i} R_j.
+        #    Rows a callback dropped count as missing: out of the baseline, advantage 0.
         rewards = torch.where(rollout.keep, rollout.shaped_rewards, torch.full_like(rollout.rewards, torch.nan))
-        advantages = leave_one_out_advantages(rewards, hp.k)
+        rollout.advantages = leave_one_out_advantages(rewards, hp.k)
 
         # 6. Sequence-level REINFORCE: -mean_i A_i * sum_t m_t logp_t over the kept sequences.
-        num_kept = rollout.keep.sum().clamp(min=1)
-        loss = policy_loss(advantages, logp, mask, num_sequences=num_kept)
+        loss = policy_loss(rollout.advantages, logp, mask, num_sequences=self._kept_per_rank(rollout.keep))
 
-        self._log_train_metrics(rollout, advantages, entropy, loss)
+        self._call_rollout_hooks("on_rollout_end", rollout)
+        self._log_train_metrics(rollout, rollout.advantages, entropy, loss)
         return loss
 
-    def _call_rollout_hooks(self, rollout: Rollout) -> None:
+    def _kept_per_rank(self, keep: Tensor) -> Tensor:
+        """Kept sequences over all ranks divided by the world size.
+
+        DDP averages gradients over ranks, so dividing each rank's sum by this count makes the
+        update the mean over every kept sequence in the global batch, however they are spread.
+        If nothing is kept the loss is an exact zero that still touches the graph (no DDP hang).
+        """
+        kept = keep.sum().float()
+        if self._trainer is not None and self.trainer.world_size > 1:
+            kept = self.trainer.strategy.reduce(kept, reduce_op="sum") / self.trainer.world_size
+        return torch.where(kept > 0, kept, torch.ones_like(kept))
+
+    def _call_rollout_hooks(self, hook: str, rollout: Rollout) -> None:
+        """Call ``on_rollout`` (may edit) or ``on_rollout_end`` (read-only) on each RolloutHook callback."""
         from rloo_lightning.callbacks import RolloutHook
 
         for callback in self.trainer.callbacks if self._trainer is not None else []:
             if isinstance(callback, RolloutHook):
-                callback.on_rollout(self.trainer, self, rollout)
+                if hook == "on_rollout":
+                    callback.on_rollout(self.trainer, self, rollout)
+                else:
+                    callback.on_rollout_end(self.trainer, self, rollout)
 
     def _log_train_metrics(self, rollout: Rollout, advantages: Tensor, entropy: Tensor, loss: Tensor) -> None:
         """Log step metrics, each an exact global mean: sums and counts are all-reduced, not means."""

@@ -32,9 +32,11 @@ class Rollout:
         scores: ``{reward name: [B]}`` per reward function (NaN: no reward).
         rewards: ``[B]`` the task reward r (weighted sum of ``scores``), before any KL term.
         kl: ``[B]`` sequence KL log pi(y)/pi_ref(y) (detached), or None when beta == 0.
+        token_kl: ``[B, T]`` per-token ``logp - ref_logp`` (detached, 0 off the mask), or None.
         shaped_rewards: ``[B]`` the reward the advantages are computed from (r - beta*kl by default).
         keep: ``[B]`` bool; rows set False by a callback leave the loss (advantage 0) and the
             loss is averaged over the kept rows.
+        advantages: ``[B]`` leave-one-out advantages (set after the ``on_rollout`` hooks).
     """
 
     k: int
@@ -49,8 +51,10 @@ class Rollout:
     scores: dict[str, Tensor] = field(default_factory=dict)
     rewards: Tensor | None = None
     kl: Tensor | None = None
+    token_kl: Tensor | None = None
     shaped_rewards: Tensor | None = None
     keep: Tensor | None = None
+    advantages: Tensor | None = None
 
     @property
     def num_prompts(self) -> int:

@@ -22,7 +22,10 @@ class RolloutHook(Callback):
     """
 
     def on_rollout(self, trainer: Trainer, pl_module: LightningModule, rollout) -> None:
-        """Read or edit ``rollout`` (a :class:`rloo_lightning.rollout.Rollout`)."""
+        """Read or edit ``rollout`` (a :class:`rloo_lightning.rollout.Rollout`) before the advantages."""
+
+    def on_rollout_end(self, trainer: Trainer, pl_module: LightningModule, rollout) -> None:
+        """Read ``rollout`` after the advantages (``rollout.advantages``) and the loss are computed."""
 
 
 class ValidateAtStart(Callback):
@@ -47,3 +50,11 @@ class ValidateAtStart(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=0)
         pl_module.print(f"validation before training: {metrics}")
+
+
+from rloo_lightning.callbacks.export import HFExport  # noqa: E402
+from rloo_lightning.callbacks.filter import ZeroVarianceFilter  # noqa: E402
+from rloo_lightning.callbacks.kl import KLMonitor  # noqa: E402
+from rloo_lightning.callbacks.stats import RewardVarianceLogger, SampleLogger  # noqa: E402
+
+__all__ += ["HFExport", "ZeroVarianceFilter", "KLMonitor", "RewardVarianceLogger", "SampleLogger"]

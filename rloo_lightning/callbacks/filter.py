@@ -1,0 +1,82 @@
+"""Zero-variance group filtering (the filter of DAPO's dynamic sampling, without resampling)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+
+from rloo_lightning.callbacks import RolloutHook
+
+__all__ = ["ZeroVarianceFilter", "informative_groups"]
+
+
+def informative_groups(values: torch.Tensor, k: int, atol: float = 0.0) -> torch.Tensor:
+    """Which prompt groups carry a reward signal.
+
+    Args:
+        values: ``[N*k]`` rewards, prompt-major; NaN = missing.
+        k: group size.
+        atol: spreads ``max - min <= atol`` count as zero variance.
+
+    Returns:
+        ``[N]`` bool: at least two valid rewards that are not all equal.
+    """
+    groups = values.view(-1, k)
+    valid = ~torch.isnan(groups)
+    hi = torch.where(valid, groups, torch.full_like(groups, -torch.inf)).amax(1)
+    lo = torch.where(valid, groups, torch.full_like(groups, torch.inf)).amin(1)
+    return (valid.sum(1) >= 2) & ((hi - lo) > atol)
+
+
+class ZeroVarianceFilter(RolloutHook):
+    """Drop prompt groups whose k rewards are all equal.
+
+    Such a group has leave-one-out advantages that are all 0 on the task reward, so it adds no
+    reward signal; dropping it makes the loss an average over the informative sequences only
+    (DAPO, Yu et al. 2025, "dynamic sampling"; here without drawing replacement prompts).
+
+    Dropped rows leave the loss, and the loss is normalised by the number of kept sequences over
+    all ranks. Dropping a group also drops its KL gradient: with ``beta > 0`` the shaped reward
+    ``r - beta*KL`` of a dropped group was not constant, and that pull toward the reference is lost
+    for those prompts. A rank whose groups are all dropped still runs its forward and backward
+    (a zero loss that touches the graph), so DDP does not hang.
+
+    Args:
+        signal: ``"score"`` decides on the task reward r, before the KL term (DAPO's choice);
+            ``"shaped"`` on ``r - beta*KL`` (which is almost never exactly constant when beta > 0).
+        atol: a group whose rewards spread by at most this much counts as zero-variance.
+
+    Logs ``train/filtered_groups`` (fraction of groups dropped this step) and keeps running totals
+    in its state (``dropped_groups``, ``seen_groups``), restored on resume.
+    """
+
+    def __init__(self, signal: Literal["score", "shaped"] = "score", atol: float = 0.0) -> None:
+        if signal not in ("score", "shaped"):
+            raise ValueError(f"ZeroVarianceFilter: `signal` must be 'score' or 'shaped', got {signal!r}")
+        if atol < 0:
+            raise ValueError(f"ZeroVarianceFilter: `atol` must be >= 0, got {atol}")
+        self.signal = signal
+        self.atol = atol
+        self.dropped_groups = 0
+        self.seen_groups = 0
+
+    def on_rollout(self, trainer: Trainer, pl_module: LightningModule, rollout) -> None:
+        values = rollout.rewards if self.signal == "score" else rollout.shaped_rewards
+        informative = informative_groups(values, rollout.k, self.atol)
+        rollout.keep &= informative.repeat_interleave(rollout.k)
+        counts = torch.stack([(~informative).sum(), torch.tensor(informative.numel(), device=values.device)])
+        counts = counts.float()
+        if trainer.world_size > 1:
+            counts = trainer.strategy.reduce(counts, reduce_op="sum")
+        self.dropped_groups += int(counts[0])
+        self.seen_groups += int(counts[1])
+        pl_module.log("train/filtered_groups", (counts[0] / counts[1]).item(), batch_size=len(rollout.prompts))
+
+    def state_dict(self) -> dict:
+        return {"dropped_groups": self.dropped_groups, "seen_groups": self.seen_groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.dropped_groups = state_dict["dropped_groups"]
+        self.seen_groups = state_dict["seen_groups"]
