@@ -213,13 +213,22 @@ class RLOOModule(LightningModule):
 
     # -- training ------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
-        hp = self.hparams
         # 1. Rollout: k samples per prompt from pi_theta itself (explicit sampler, seeded by step).
-        rollout = self.rollout(batch, hp.k, self.sampling_seed("train", self.global_step))
-        mask = rollout.completion_mask
-
+        rollout = self.rollout(batch, self.hparams.k, self.sampling_seed("train", self.global_step))
         # 2. Rewards: weighted sum of the reward functions (NaN = missing).
         self.score(rollout)
+        # 3.-6. Log-probs, KL, advantages, loss.
+        loss, entropy = self.rollout_loss(rollout)
+        self._log_train_metrics(rollout, rollout.advantages, entropy, loss)
+        return loss
+
+    def rollout_loss(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
+        """Steps 3-6 of a training step on a scored rollout; returns the loss and per-token entropy ``[B, T]``.
+
+        Separate from :meth:`training_step` so that a fixed rollout can be injected (tests, DDP checks).
+        """
+        hp = self.hparams
+        mask = rollout.completion_mask
 
         # 3. Log-probs of the completion: policy with grad, reference without, same temperature.
         logits = self.completion_logits(self.policy, rollout)
@@ -249,8 +258,7 @@ class RLOOModule(LightningModule):
         loss = policy_loss(rollout.advantages, logp, mask, num_sequences=self._kept_per_rank(rollout.keep))
 
         self._call_rollout_hooks("on_rollout_end", rollout)
-        self._log_train_metrics(rollout, rollout.advantages, entropy, loss)
-        return loss
+        return loss, entropy
 
     def _kept_per_rank(self, keep: Tensor) -> Tensor:
         """Kept sequences over all ranks divided by the world size.
