@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from rloo_lightning.data import collate_prompts
-from rloo_lightning.models import load_causal_lm
 from rloo_lightning.module import RLOOModule
 from rloo_lightning.objectives import completion_mask, policy_loss, token_logprobs
 from rloo_lightning.rollout import Rollout
@@ -31,6 +30,37 @@ def _module(path, **kwargs) -> RLOOModule:
 @pytest.fixture(scope="module")
 def module(tiny_model_dir):
     return _module(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2_dir(tmp_path_factory):
+    """A tiny GPT-2: absolute position embeddings, so wrong position ids under left padding show.
+
+    (Llama's RoPE is invariant to a constant position shift, so it cannot catch that mistake.)
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rloo_lightning.models import build_char_tokenizer
+
+    directory = tmp_path_factory.mktemp("tiny_gpt2")
+    tok = build_char_tokenizer("abcdefgh=", model_max_length=32)
+    config = GPT2Config(vocab_size=len(tok), n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(config)
+    # larger position embeddings than the default init, so that a shift is clearly visible
+    with torch.no_grad():
+        model.transformer.wpe.weight.normal_(0, 0.5)
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(params=["llama", "gpt2"])
+def model_dir(request, tiny_model_dir, tiny_gpt2_dir):
+    return tiny_model_dir if request.param == "llama" else tiny_gpt2_dir
 
 
 def _ids(tok, text):
@@ -201,7 +231,8 @@ def test_tokens_after_first_eos_carry_no_gradient(module, rollout):
     assert torch.all(logits.grad[~off].abs().sum(-1) > 0)
 
 
-def test_left_padding_amount_does_not_change_completion_logprobs(module):
+def test_left_padding_amount_does_not_change_completion_logprobs(model_dir):
+    module = _module(model_dir)
     tok = module.tokenizer
     a, b, eos = (tok.convert_tokens_to_ids(x) for x in ("a", "b", tok.eos_token))
     completions = [[b, a, eos], [a, a, b]]
@@ -215,9 +246,9 @@ def test_left_padding_amount_does_not_change_completion_logprobs(module):
         torch.testing.assert_close(other, results[0], rtol=1e-5, atol=1e-5)
 
 
-def test_logprobs_under_temperature_equal_the_sampled_distribution(tiny_model_dir):
+def test_logprobs_under_temperature_equal_the_sampled_distribution(model_dir):
     T = 0.7
-    module = _module(tiny_model_dir, temperature=T, max_new_tokens=6)
+    module = _module(model_dir, temperature=T, max_new_tokens=6)
     tok = module.tokenizer
     rows = [{"input_ids": _ids(tok, p), "prompt": p, "columns": {}} for p in ("abc=", "hgfedcb=")]
     batch = collate_prompts(rows, tok.pad_token_id)

@@ -1,0 +1,164 @@
+"""The real CLI (``python -m rloo_lightning``) as subprocesses, on CPU, with a tiny offline model.
+
+The four invocations are started together in one module fixture (they are independent), then each
+test asserts on one of them.
+
+The fit run uses ``configs/quickstart.yaml`` unchanged except for the overrides below; its model is
+the ``tiny_model_dir`` fixture instead of ``tiny:reverse`` (same tokenizer alphabet and context), because
+building the warm-started ``tiny:reverse`` model takes a minute or more on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO / "configs" / "quickstart.yaml")
+CLI = [sys.executable, "-m", "rloo_lightning"]
+TIMEOUT = 400
+
+
+def _fit_args(root: Path, model_dir: str) -> list[str]:
+    return [
+        "fit", "--config", CONFIG,
+        "--model.model_name_or_path", model_dir,
+        "--trainer.max_steps", "3",
+        "--trainer.val_check_interval", "3",
+        "--trainer.default_root_dir", str(root),
+        "--data.num_val_rows", "16",
+        "--data.num_train_rows", "64",
+    ]
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory, tiny_model_dir, _cache_dir):
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "RLOO_LIGHTNING_CACHE": str(_cache_dir),
+        "OMP_NUM_THREADS": "1",
+    }
+    runs = {}
+    fit_root = tmp_path_factory.mktemp("cli_fit")
+    k1_root = tmp_path_factory.mktemp("cli_k1")
+    specs = {
+        "fit": (_fit_args(fit_root, tiny_model_dir), fit_root),
+        "print_config": (["fit", "--config", CONFIG, "--model.k", "6", "--print_config"],
+                         tmp_path_factory.mktemp("cli_print")),
+        "help": (["--help"], tmp_path_factory.mktemp("cli_help")),
+        "k1": (_fit_args(k1_root, tiny_model_dir) + ["--model.k", "1"], k1_root),
+    }
+    procs = {}
+    for name, (args, cwd) in specs.items():
+        out, err = open(cwd / "stdout.txt", "w"), open(cwd / "stderr.txt", "w")
+        procs[name] = (subprocess.Popen(CLI + args, cwd=cwd, env=env, stdout=out, stderr=err), out, err, cwd)
+    for name, (proc, out, err, cwd) in procs.items():
+        try:
+            proc.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        out.close()
+        err.close()
+        runs[name] = {
+            "rc": proc.returncode,
+            "stdout": (cwd / "stdout.txt").read_text(),
+            "stderr": (cwd / "stderr.txt").read_text(),
+            "root": cwd,
+        }
+    return runs
+
+
+def _explain(run) -> str:
+    return f"rc={run['rc']}\n--- stdout ---\n{run['stdout'][-3000:]}\n--- stderr ---\n{run['stderr'][-5000:]}"
+
+
+def test_fit_exits_zero(cli):
+    assert cli["fit"]["rc"] == 0, _explain(cli["fit"])
+
+
+def test_fit_logs_tensorboard_scalars(cli):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = cli["fit"]
+    assert run["rc"] == 0, _explain(run)
+    version = run["root"] / "lightning_logs" / "version_0"
+    events = list(version.glob("events.out.tfevents.*"))
+    assert events, list(version.iterdir())
+    acc = EventAccumulator(str(version), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("train/reward", "train/kl", "train/loss", "val/reward"):
+        assert tag in tags, sorted(tags)
+    train_steps = [e.step for e in acc.Scalars("train/reward")]
+    assert len(train_steps) == 3
+    val = acc.Scalars("val/reward")
+    steps = [e.step for e in val]
+    assert 0 in steps, steps  # logged before training
+    assert max(steps) > 0, steps  # and again after the 3 steps
+    assert all(0.0 <= e.value <= 1.0 for e in val)  # the reverse reward is in [0, 1]
+    assert all(torch.isfinite(torch.tensor(e.value)) for e in acc.Scalars("train/loss"))
+
+
+def test_fit_checkpoint_loads_with_policy_weights_and_no_reference(cli, tiny_model_dir):
+    from rloo_lightning.models import load_causal_lm
+    from rloo_lightning.module import RLOOModule
+
+    run = cli["fit"]
+    assert run["rc"] == 0, _explain(run)
+    ckpts = sorted((run["root"] / "lightning_logs" / "version_0").rglob("*.ckpt"))
+    assert ckpts, "no checkpoint written"
+    path = ckpts[-1]
+    state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    # only the policy's weights are checkpointed: the frozen reference is not a registered submodule
+    assert not any("ref" in key.lower() for key in state), list(state)
+    others = {k: v for k, v in state.items() if not k.startswith("policy.")}
+    assert all(v.numel() <= 1 for v in others.values()), list(others)  # scalars (e.g. beta), no model copy
+
+    loaded = RLOOModule.load_from_checkpoint(path)
+    assert loaded.hparams.k == 4 and loaded.hparams.beta == 0.05
+    policy_state = loaded.policy.state_dict()
+    assert {f"policy.{k}" for k in policy_state} == {k for k in state if k.startswith("policy.")}
+    for key, value in policy_state.items():
+        torch.testing.assert_close(value, state[f"policy.{key}"], rtol=0, atol=0)
+    # and training did move the weights away from the initial model
+    initial = load_causal_lm(tiny_model_dir).state_dict()
+    assert any(not torch.equal(initial[k], v) for k, v in policy_state.items() if k in initial)
+
+
+def test_print_config_shows_model_k(cli):
+    run = cli["print_config"]
+    assert run["rc"] == 0, _explain(run)
+    config = yaml.safe_load(run["stdout"])
+    assert config["model"]["k"] == 6
+    assert config["model"]["model_name_or_path"] == "tiny:reverse"
+    assert config["data"]["task"] == "reverse"
+    with open(CONFIG) as f:
+        shipped = yaml.safe_load(f)
+    assert config["trainer"]["max_steps"] == shipped["trainer"]["max_steps"]
+    assert config["model"]["beta"] == shipped["model"]["beta"]
+
+
+def test_help_exits_zero(cli):
+    run = cli["help"]
+    assert run["rc"] == 0, _explain(run)
+    assert "fit" in run["stdout"]
+
+
+def test_k1_fails_before_training(cli):
+    run = cli["k1"]
+    assert run["rc"] != 0, _explain(run)
+    text = run["stdout"] + run["stderr"]
+    assert "k must be >= 2" in text or "k=1" in text, _explain(run)
+    assert "validation before training" not in text
+    version = run["root"] / "lightning_logs" / "version_0"
+    assert not list(version.rglob("*.ckpt")) and not list(version.glob("events.out.tfevents.*"))
