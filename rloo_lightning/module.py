@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+import math
+
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 from torchmetrics import MeanMetric
-from transformers import GenerationConfig
 
 from rloo_lightning.objectives import (
     leave_one_out_advantages,
@@ -18,7 +20,7 @@ from rloo_lightning.objectives import (
     token_logprobs,
 )
 from rloo_lightning.rewards import RewardSet
-from rloo_lightning.rollout import Rollout, derive_seed, generate_rollout, sampling_config
+from rloo_lightning.rollout import Rollout, default_eos_ids, derive_seed, generate_rollout, sampling_config
 
 __all__ = ["RLOOModule", "warmup_constant_schedule"]
 
@@ -66,7 +68,17 @@ class RLOOModule(LightningModule):
             constant-rate schedule (the paper: 3%). Ignored when ``lr_scheduler`` is given.
         validate_at_start: run a validation pass before the first update and log it at step 0
             (Lightning's sanity check does not log).
-        val_greedy: also evaluate greedy decoding, logged as ``val/reward_greedy``.
+        val_greedy: also evaluate greedy decoding: ``val/reward_greedy`` and ``val/accuracy_greedy``.
+        val_num_samples: completions sampled per validation prompt (training sampler); ``val/reward``
+            is their mean.
+        val_pass_k: log ``val/pass@<k>`` for each k (each <= ``val_num_samples``), with the unbiased
+            estimator of Chen et al. 2021: ``1 - C(n-c, k) / C(n, k)`` for c successes in n samples.
+        success_threshold: a completion whose reward is >= this counts as a success (accuracy, pass@k).
+        eos_token_ids: token ids that end a completion (default: the tokenizer's EOS plus those of the
+            model's shipped generation config, e.g. a chat model's end-of-turn token).
+        stop_strings: strings that end a completion; the completion mask ends with the token that
+            completes the first one.
+        gguf_file: a GGUF file inside ``model_name_or_path`` (dequantized on load; needs ``gguf``).
         trust_remote_code: executes code shipped with the model; off unless set.
         optimizer: optimizer factory (default AdamW, lr 1e-6 as in the paper).
         lr_scheduler: scheduler factory (default: linear warm-up then constant).
@@ -89,6 +101,12 @@ class RLOOModule(LightningModule):
         warmup_ratio: float = 0.03,
         validate_at_start: bool = True,
         val_greedy: bool = True,
+        val_num_samples: int = 1,
+        val_pass_k: list[int] | None = None,
+        success_threshold: float = 1.0,
+        eos_token_ids: list[int] | None = None,
+        stop_strings: list[str] | None = None,
+        gguf_file: str | None = None,
         trust_remote_code: bool = False,
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
@@ -104,6 +122,13 @@ class RLOOModule(LightningModule):
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if not 0 <= warmup_ratio < 1:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
+        if val_num_samples < 1:
+            raise ValueError(f"val_num_samples must be >= 1, got {val_num_samples}")
+        for pk in val_pass_k or []:
+            if not 1 <= pk <= val_num_samples:
+                raise ValueError(f"val_pass_k={val_pass_k}: each k must be in [1, val_num_samples={val_num_samples}]")
+        if stop_strings is not None and (not stop_strings or not all(stop_strings)):
+            raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         # Resolve reward import paths now: a typo fails before any model is loaded.
         self.rewards = RewardSet.from_specs(reward_funcs, reward_weights)
@@ -114,8 +139,11 @@ class RLOOModule(LightningModule):
         self._ref: _Frozen | None = None
         # The KL coefficient in use; a buffer so that an adaptive controller's value is checkpointed.
         self.register_buffer("beta", torch.tensor(float(beta)))
-        self.val_reward = MeanMetric(nan_strategy="ignore")
-        self.val_reward_greedy = MeanMetric(nan_strategy="ignore")
+        names = ["reward"] + (["reward_greedy", "accuracy_greedy"] if val_greedy else [])
+        names += [f"pass@{pk}" for pk in val_pass_k or []]
+        # keys without "/" or "@": module names; logged as val/<name>
+        self.val_metrics = torch.nn.ModuleDict(
+            {n.replace("@", "_at_"): MeanMetric(nan_strategy="ignore") for n in names})
 
     # -- models --------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -125,30 +153,26 @@ class RLOOModule(LightningModule):
         from rloo_lightning.models import load_causal_lm, load_tokenizer
 
         hp = self.hparams
-        self.tokenizer = load_tokenizer(hp.model_name_or_path, trust_remote_code=hp.trust_remote_code)
-        self.policy = load_causal_lm(hp.model_name_or_path, trust_remote_code=hp.trust_remote_code)
+        self.tokenizer = load_tokenizer(hp.model_name_or_path, gguf_file=hp.gguf_file,
+                                        trust_remote_code=hp.trust_remote_code)
+        self.policy = load_causal_lm(hp.model_name_or_path, gguf_file=hp.gguf_file,
+                                     trust_remote_code=hp.trust_remote_code)
+        if hp.beta > 0:
+            # The reference is the initial policy: a copy, not a second load (a GGUF load dequantizes).
+            self._ref = _Frozen(copy.deepcopy(self.policy))
         # from_pretrained returns eval mode and Lightning does not call .train(): set it.
         self.policy.train()
-        if hp.beta > 0:
-            self._ref = _Frozen(load_causal_lm(hp.model_name_or_path, trust_remote_code=hp.trust_remote_code))
         if hp.disable_dropout:
             for model in (self.policy, self._ref.model if self._ref else None):
                 for m in model.modules() if model is not None else ():
                     if isinstance(m, torch.nn.Dropout):
                         m.p = 0.0
-        eos = self.tokenizer.eos_token_id
-        self.eos_token_ids = [eos]
-        self.generation_config = sampling_config(
-            hp.max_new_tokens, self.eos_token_ids, self.tokenizer.pad_token_id,
-            hp.temperature, hp.top_k, hp.top_p, hp.repetition_penalty,
-        )
-        self.greedy_config = sampling_config(
-            hp.max_new_tokens, self.eos_token_ids, self.tokenizer.pad_token_id, do_sample=False
-        )
-        # transformers merges the model's shipped generation_config into every unset field of
-        # ours; an empty one leaves nothing to merge. The shipped one is restored on export.
-        self.shipped_generation_config = self.policy.generation_config
-        self.policy.generation_config = GenerationConfig()
+        self.eos_token_ids = hp.eos_token_ids or default_eos_ids(self.tokenizer, self.policy.generation_config)
+        common = dict(max_new_tokens=hp.max_new_tokens, eos_token_ids=self.eos_token_ids,
+                      pad_token_id=self.tokenizer.pad_token_id, stop_strings=hp.stop_strings)
+        self.generation_config = sampling_config(**common, temperature=hp.temperature, top_k=hp.top_k,
+                                                 top_p=hp.top_p, repetition_penalty=hp.repetition_penalty)
+        self.greedy_config = sampling_config(**common, do_sample=False)
 
     @property
     def reference(self) -> torch.nn.Module | None:
@@ -318,37 +342,47 @@ class RLOOModule(LightningModule):
 
     # -- validation ----------------------------------------------------------------------------
     def evaluate_batch(self, batch: dict, batch_idx: int) -> dict[str, Tensor]:
-        """Per-prompt rewards of one sampled completion (training sampler) and of greedy decoding.
+        """Per-prompt validation values: mean reward of ``val_num_samples`` sampled completions,
+        pass@k, and greedy reward and accuracy. Keys are ``val_metrics`` names.
 
         The sampling seed depends on the batch only, not the step: every evaluation draws the
         same random stream, so that val curves compare policies rather than noise.
         """
-        out = {}
-        rollout = self.rollout(batch, 1, self.sampling_seed("val", batch_idx))
-        self.score(rollout)
-        out["val/reward"] = rollout.rewards
-        if self.hparams.val_greedy:
+        hp = self.hparams
+        n = hp.val_num_samples
+        sampled = self.rollout(batch, n, self.sampling_seed("val", batch_idx))
+        self.score(sampled)
+        rewards = sampled.rewards.view(-1, n)
+        out = {"reward": rewards.nanmean(1)}
+        successes = (rewards >= hp.success_threshold).sum(1).tolist()
+        for pk in hp.val_pass_k or []:
+            # Chen et al. 2021, unbiased pass@k from n samples with c successes.
+            out[f"pass_at_{pk}"] = torch.tensor(
+                [1.0 - math.comb(n - c, pk) / math.comb(n, pk) for c in successes], device=self.device)
+        if hp.val_greedy:
             greedy = self.rollout(batch, 1, 0, greedy=True)
             self.score(greedy)
-            out["val/reward_greedy"] = greedy.rewards
+            out["reward_greedy"] = greedy.rewards
+            out["accuracy_greedy"] = (greedy.rewards >= hp.success_threshold).float()
         return out
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        out = self.evaluate_batch(batch, batch_idx)
-        self.val_reward.update(out["val/reward"])
-        self.log("val/reward", self.val_reward, prog_bar=True, batch_size=len(batch["prompt"]))
-        if "val/reward_greedy" in out:
-            self.val_reward_greedy.update(out["val/reward_greedy"])
-            self.log("val/reward_greedy", self.val_reward_greedy, batch_size=len(batch["prompt"]))
+        for name, values in self.evaluate_batch(batch, batch_idx).items():
+            metric = self.val_metrics[name]
+            metric.update(values)
+            self.log(f"val/{name.replace('_at_', '@')}", metric, prog_bar=name == "reward",
+                     batch_size=len(batch["prompt"]))
 
     # -- export --------------------------------------------------------------------------------
     def save_pretrained(self, directory: str) -> None:
         """Write the policy and tokenizer in Hugging Face format (``from_pretrained`` loads it)."""
-        live = self.policy.generation_config
-        self.policy.generation_config = self.shipped_generation_config
-        try:
-            self.policy.save_pretrained(directory)
-        finally:
-            self.policy.generation_config = live
+        model = self.policy
+        if self.hparams.gguf_file:
+            # A GGUF-loaded model refuses save_pretrained: rebuild it from its config, copy the weights in.
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_config(self.policy.config)
+            model.load_state_dict(self.policy.state_dict())
+        model.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
 

@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 
 from rloo_lightning.objectives import completion_mask
 
-__all__ = ["Rollout", "sampling_config", "derive_seed", "generate_rollout"]
+__all__ = ["Rollout", "sampling_config", "default_eos_ids", "derive_seed", "generate_rollout", "stop_string_ends"]
 
 
 @dataclass
@@ -75,6 +75,7 @@ def sampling_config(
     top_p: float = 1.0,
     repetition_penalty: float = 1.0,
     do_sample: bool = True,
+    stop_strings: list[str] | None = None,
 ) -> GenerationConfig:
     """An explicit generation config: every sampling field set, so that nothing is inherited.
 
@@ -100,6 +101,7 @@ def sampling_config(
         max_new_tokens=max_new_tokens,
         min_new_tokens=0,
         eos_token_id=list(eos_token_ids),
+        stop_strings=list(stop_strings) if stop_strings else None,
         pad_token_id=pad_token_id,
         bad_words_ids=None,
         suppress_tokens=None,
@@ -109,6 +111,37 @@ def sampling_config(
         use_cache=True,
         renormalize_logits=False,
     )
+
+
+def default_eos_ids(tokenizer, shipped: GenerationConfig | None) -> list[int]:
+    """The tokenizer's EOS plus the shipped generation config's (a chat model's end-of-turn), in order."""
+    ids = [tokenizer.eos_token_id]
+    extra = shipped.eos_token_id if shipped is not None else None
+    ids += [extra] if isinstance(extra, int) else list(extra or [])
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+def stop_string_ends(tokenizer, completion_ids: Tensor, mask: Tensor, stop_strings: list[str]) -> Tensor:
+    """Length of each completion up to and including the token that completes a stop string.
+
+    Args:
+        completion_ids, mask: ``[B, T]``.
+
+    Returns:
+        ``[B]`` long: that length, or -1 where no stop string occurs within the mask. Found by a
+        binary search over prefixes (a prefix that contains a stop string stays containing it).
+    """
+    ends = torch.full((completion_ids.shape[0],), -1, dtype=torch.long)
+    has = lambda ids: any(s in tokenizer.decode(ids, skip_special_tokens=False) for s in stop_strings)  # noqa: E731
+    for i, (row, n) in enumerate(zip(completion_ids.tolist(), mask.sum(1).long().tolist())):
+        if not has(row[:n]):
+            continue
+        lo, hi = 1, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if has(row[:mid]) else (mid + 1, hi)
+        ends[i] = lo
+    return ends
 
 
 def derive_seed(*parts: object) -> int:
@@ -142,21 +175,34 @@ def generate_rollout(
     prompt_ids = input_ids.repeat_interleave(k, dim=0)
     prompt_mask = attention_mask.repeat_interleave(k, dim=0)
     devices = [input_ids.device] if input_ids.device.type == "cuda" else []
-    was_training = model.training
+    was_training, shipped = model.training, model.generation_config
+    # transformers fills every unset field of our config from the model's shipped one (min_p,
+    # suppress_tokens, ... would truncate the sampler); an empty one leaves nothing to merge.
+    model.generation_config = GenerationConfig()
     model.eval()
     try:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             out = model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config
+                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config,
+                tokenizer=tokenizer if generation_config.stop_strings else None,
             )
     finally:
         model.train(was_training)
+        model.generation_config = shipped
     completion_ids = out[:, prompt_ids.shape[1] :]
     eos = generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos)
     mask = completion_mask(completion_ids, eos)
-    truncated = ~torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device)).any(1)
+    # Ended by EOS: an EOS inside the mask (after a stop string, generate pads, and pad may be EOS).
+    ended = (torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device)) & mask.bool()).any(1)
+    if generation_config.stop_strings:
+        ends = stop_string_ends(tokenizer, completion_ids, mask, list(generation_config.stop_strings)).to(mask.device)
+        stopped = ends >= 0
+        positions = torch.arange(mask.shape[1], device=mask.device)
+        mask = torch.where(stopped[:, None], (positions[None] < ends[:, None]).float(), mask)
+        ended = ended | stopped
+    truncated = ~ended
     rollout = Rollout(
         k=k,
         prompt_ids=prompt_ids,

@@ -171,9 +171,7 @@ def test_empty_json_list_raises(tiny_model_dir, tmp_path):
         dm.setup("fit")
 
 
-# BUG: rloo_lightning/data.py _read_file: a zero-byte (or malformed) .json file is read with a bare
-# json.loads(p.read_text()) (data.py line ~84, the `elif p.suffix == ".json"` branch), so the error is
-# json.JSONDecodeError "Expecting value: line 1 column 1 (char 0)", which does not name the file.
+# A zero-byte or malformed .json file: the error names the file, not only the JSON decoder's position.
 def test_zero_byte_json_file_error_names_the_file(tiny_model_dir, tmp_path):
     path = tmp_path / "nothing.json"
     path.write_text("")
@@ -194,9 +192,7 @@ def test_missing_prompt_column_names_column_and_row(tiny_model_dir, tmp_path):
     assert "'prompt'" in msg and "row 4" in msg and "prompt_column" in msg and "question" in msg
 
 
-# BUG: rloo_lightning/data.py _tokenize (lines ~132-145) reports the row index *after* the train/validation
-# split (_load_rows, lines ~108-113, shuffles and splits when there is no val_file), so the row it names is not the
-# file's row: here the bad object is row 9 (line 10) of train.jsonl, the message names another row.
+# Row numbers in errors are the file's rows, not positions after the train/validation split.
 def test_missing_prompt_column_row_refers_to_the_file_when_split(tiny_model_dir, tmp_path):
     rows = _rows(10)
     rows[9] = {"question": "abc=", "answer": "cba"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from rloo_lightning.data import collate_prompts
 from rloo_lightning.models import load_causal_lm, load_tokenizer
@@ -70,6 +71,8 @@ def test_module_samples_with_its_own_config_not_the_shipped_one(shipped_biased_d
     prompt_ids = batch["input_ids"].repeat_interleave(4, 0)
     prompt_mask = batch["attention_mask"].repeat_interleave(4, 0)
     module.policy.eval()
+    # generate_rollout empties the shipped config during generate; do the same for this direct call.
+    module.policy.generation_config = GenerationConfig()
     with torch.no_grad():
         out = module.policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
                                      generation_config=module.generation_config,
@@ -81,14 +84,8 @@ def test_module_samples_with_its_own_config_not_the_shipped_one(shipped_biased_d
         torch.testing.assert_close(scores, full[:, P - 1 + t], rtol=1e-4, atol=1e-4)
 
 
-# BUG: rloo_lightning/rollout.py sampling_config() (lines ~91-110) leaves min_p, bad_words_ids,
-# suppress_tokens, begin_suppress_tokens, forced_*_token_id ... as None. In transformers 5, generate()
-# fills every None field of the given config from model.generation_config (the shipped one;
-# GenerationMixin._prepare_generation_config, `update(..., defaults_only=True)`), so generate_rollout()
-# (model.generate at rollout.py ~150) with sampling_config() on a model that ships min_p or
-# suppress_tokens samples from a truncated distribution, not pi_theta. RLOOModule.configure_model hides
-# it by replacing policy.generation_config with an empty GenerationConfig(), but the public
-# generate_rollout + sampling_config pair is biased, contrary to sampling_config's docstring.
+# In transformers 5, generate() fills every None field of the given config from the model's shipped
+# generation_config; generate_rollout must keep a shipped min_p / suppress_tokens out of the sampler.
 def test_generate_rollout_with_sampling_config_ignores_shipped_config(shipped_biased_dir):
     tok = load_tokenizer(shipped_biased_dir)
     model = load_causal_lm(shipped_biased_dir)
