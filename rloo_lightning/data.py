@@ -11,11 +11,11 @@ from typing import Literal
 import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from rloo_lightning.models import context_length, load_tokenizer
 
-__all__ = ["PromptDataModule", "collate_prompts", "read_rows"]
+__all__ = ["PromptDataModule", "ResumableSampler", "collate_prompts", "read_rows"]
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 
@@ -263,17 +263,55 @@ class PromptDataModule(LightningDataModule):
         return out
 
     # -- loaders -------------------------------------------------------------------------------
-    def _loader(self, rows: list[dict], batch_size: int, train: bool) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.hparams.seed) if train else None
-        # drop_last in training: every rollout has batch_size prompts, so steps are alike.
-        return DataLoader(rows, batch_size=batch_size, shuffle=train, drop_last=train, generator=generator,
-                          collate_fn=partial(collate_prompts, pad_token_id=self.tokenizer.pad_token_id))
+    def _collate(self):
+        return partial(collate_prompts, pad_token_id=self.tokenizer.pad_token_id)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_rows, self.hparams.batch_size, train=True)
+        """Shuffled prompts from a :class:`ResumableSampler`; on resume it continues mid-epoch.
+
+        The position comes from the restored trainer: ``global_step * accumulate_grad_batches``
+        batches were consumed, so the first epoch after a resume skips those of the current epoch.
+        """
+        hp = self.hparams
+        trainer = self.trainer
+        world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        sampler = ResumableSampler(self.train_rows, num_replicas=world, rank=rank, seed=hp.seed)
+        if trainer is not None and trainer.global_step > 0:
+            per_epoch = len(sampler) // hp.batch_size
+            consumed = trainer.global_step * trainer.accumulate_grad_batches
+            skip = consumed - trainer.current_epoch * per_epoch
+            if 0 < skip < per_epoch:
+                sampler.skip_once(skip * hp.batch_size)
+        # drop_last: every rollout has batch_size prompts, so steps are alike.
+        return DataLoader(self.train_rows, batch_size=hp.batch_size, sampler=sampler, drop_last=True,
+                          collate_fn=self._collate())
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_rows, self.hparams.val_batch_size or self.hparams.batch_size, train=False)
+        return DataLoader(self.val_rows, batch_size=self.hparams.val_batch_size or self.hparams.batch_size,
+                          shuffle=False, collate_fn=self._collate())
+
+
+class ResumableSampler(DistributedSampler):
+    """Shuffled, rank-sharded indices whose order is a function of (seed, epoch) only.
+
+    A ``DistributedSampler`` subclass, so Lightning uses it as is instead of wrapping it; each
+    rank gets its own shard (prompt groups never cross ranks: a rank samples all k completions of
+    its prompts). ``skip_once(n)`` drops the first ``n`` indices of the next pass only: a resumed
+    run continues the interrupted epoch where it stopped instead of replaying it.
+    """
+
+    def __init__(self, dataset, num_replicas: int = 1, rank: int = 0, seed: int = 0) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self._skip = 0
+
+    def skip_once(self, n: int) -> None:
+        self._skip = n
+
+    def __iter__(self):
+        indices = list(super().__iter__())
+        skip, self._skip = self._skip, 0
+        # len() stays the full shard: Lightning numbers the resumed epoch's batches from the restored count.
+        return iter(indices[skip:])
 
 
 def collate_prompts(rows: list[dict], pad_token_id: int) -> dict:

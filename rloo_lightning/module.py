@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import copy
-import math
+from typing import Literal
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 
 from rloo_lightning.objectives import (
     leave_one_out_advantages,
     masked_sum,
+    pass_at_k,
     policy_loss,
     sequence_kl,
     token_entropy,
@@ -22,7 +24,7 @@ from rloo_lightning.objectives import (
 from rloo_lightning.rewards import RewardSet
 from rloo_lightning.rollout import Rollout, default_eos_ids, derive_seed, generate_rollout, sampling_config
 
-__all__ = ["RLOOModule", "warmup_constant_schedule"]
+__all__ = ["RLOOModule", "NonFiniteError", "warmup_constant_schedule"]
 
 
 def warmup_constant_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int):
@@ -30,6 +32,10 @@ def warmup_constant_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps))
     )
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN/inf loss or gradient, with the step and the rollout statistics that led to it."""
 
 
 class _Frozen:
@@ -78,6 +84,10 @@ class RLOOModule(LightningModule):
             model's shipped generation config, e.g. a chat model's end-of-turn token).
         stop_strings: strings that end a completion; the completion mask ends with the token that
             completes the first one.
+        on_nonfinite: what a NaN/inf loss or gradient does: ``stop`` raises :class:`NonFiniteError`
+            (naming the step and the rollout statistics that led to it) before the optimizer step,
+            so no poisoned weights reach a checkpoint; ``skip`` drops that update (no parameter or
+            optimizer-state change) and counts it in ``train/skipped_steps``.
         gguf_file: a GGUF file inside ``model_name_or_path`` (dequantized on load; needs ``gguf``).
         trust_remote_code: executes code shipped with the model; off unless set.
         optimizer: optimizer factory (default AdamW, lr 1e-6 as in the paper).
@@ -106,6 +116,7 @@ class RLOOModule(LightningModule):
         success_threshold: float = 1.0,
         eos_token_ids: list[int] | None = None,
         stop_strings: list[str] | None = None,
+        on_nonfinite: Literal["stop", "skip"] = "stop",
         gguf_file: str | None = None,
         trust_remote_code: bool = False,
         optimizer: OptimizerCallable | None = None,
@@ -127,6 +138,8 @@ class RLOOModule(LightningModule):
         for pk in val_pass_k or []:
             if not 1 <= pk <= val_num_samples:
                 raise ValueError(f"val_pass_k={val_pass_k}: each k must be in [1, val_num_samples={val_num_samples}]")
+        if on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}")
         if stop_strings is not None and (not stop_strings or not all(stop_strings)):
             raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
@@ -137,6 +150,8 @@ class RLOOModule(LightningModule):
         self.policy: torch.nn.Module | None = None
         self.tokenizer = None
         self._ref: _Frozen | None = None
+        self.skipped_steps = 0
+        self._last_stats: dict[str, float] = {}
         # The KL coefficient in use; a buffer so that an adaptive controller's value is checkpointed.
         self.register_buffer("beta", torch.tensor(float(beta)))
         names = ["reward"] + (["reward_greedy", "accuracy_greedy"] if val_greedy else [])
@@ -243,8 +258,42 @@ class RLOOModule(LightningModule):
         self.score(rollout)
         # 3.-6. Log-probs, KL, advantages, loss.
         loss, entropy = self.rollout_loss(rollout)
-        self._log_train_metrics(rollout, rollout.advantages, entropy, loss)
+        self._last_stats = self._log_train_metrics(rollout, rollout.advantages, entropy, loss)
+        if not self._finite_everywhere(loss):
+            self._on_nonfinite("loss")
+            return None  # every rank skips together: no backward, no optimizer step
         return loss
+
+    # -- NaN/inf guard -------------------------------------------------------------------------
+    def _finite_everywhere(self, *tensors: Tensor) -> bool:
+        """True if every tensor is finite on every rank (one all-reduce, so all ranks agree)."""
+        ok = torch.stack([torch.isfinite(t.detach()).all() for t in tensors]).all().float()
+        if self._trainer is not None and self.trainer.world_size > 1:
+            ok = self.trainer.strategy.reduce(ok, reduce_op="min")
+        return bool(ok > 0)
+
+    def _on_nonfinite(self, what: str) -> None:
+        stats = ", ".join(f"{k}={v:.4g}" for k, v in self._last_stats.items())
+        message = f"non-finite {what} at step {self.global_step}; rollout statistics: {stats}"
+        if self.hparams.on_nonfinite == "stop":
+            raise NonFiniteError(message + " (on_nonfinite=stop: no update applied, no checkpoint written)")
+        self.skipped_steps += 1
+        rank_zero_warn(message + " (on_nonfinite=skip: update dropped)")
+        self.log("train/skipped_steps", float(self.skipped_steps))
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["rloo_skipped_steps"] = self.skipped_steps
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.skipped_steps = checkpoint.get("rloo_skipped_steps", 0)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+        if grads and not self._finite_everywhere(*grads):
+            self._on_nonfinite("gradient")
+            # A parameter without .grad is left alone by torch optimizers: no update, no state change.
+            for p in self.policy.parameters():
+                p.grad = None
 
     def rollout_loss(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
         """Steps 3-6 of a training step on a scored rollout; returns the loss and per-token entropy ``[B, T]``.
@@ -307,7 +356,9 @@ class RLOOModule(LightningModule):
                 else:
                     callback.on_rollout_end(self.trainer, self, rollout)
 
-    def _log_train_metrics(self, rollout: Rollout, advantages: Tensor, entropy: Tensor, loss: Tensor) -> None:
+    def _log_train_metrics(
+        self, rollout: Rollout, advantages: Tensor, entropy: Tensor, loss: Tensor
+    ) -> dict[str, float]:
         """Log step metrics, each an exact global mean: sums and counts are all-reduced, not means."""
         mask, k = rollout.completion_mask, rollout.k
         valid = ~torch.isnan(rollout.rewards)
@@ -339,6 +390,7 @@ class RLOOModule(LightningModule):
         metrics = dict(zip(names, means))
         for name, value in metrics.items():
             self.log(name, value, prog_bar=name in ("train/reward", "train/kl"), batch_size=len(rollout.prompts))
+        return metrics
 
     # -- validation ----------------------------------------------------------------------------
     def evaluate_batch(self, batch: dict, batch_idx: int) -> dict[str, Tensor]:
@@ -354,11 +406,9 @@ class RLOOModule(LightningModule):
         self.score(sampled)
         rewards = sampled.rewards.view(-1, n)
         out = {"reward": rewards.nanmean(1)}
-        successes = (rewards >= hp.success_threshold).sum(1).tolist()
+        successes = (rewards >= hp.success_threshold).sum(1)
         for pk in hp.val_pass_k or []:
-            # Chen et al. 2021, unbiased pass@k from n samples with c successes.
-            out[f"pass_at_{pk}"] = torch.tensor(
-                [1.0 - math.comb(n - c, pk) / math.comb(n, pk) for c in successes], device=self.device)
+            out[f"pass_at_{pk}"] = pass_at_k(successes, n, pk)
         if hp.val_greedy:
             greedy = self.rollout(batch, 1, 0, greedy=True)
             self.score(greedy)

@@ -27,18 +27,21 @@ class Task:
         name: the name used in ``tiny:<name>`` and ``PromptDataModule(task=...)``.
         make_rows: ``(n, seed) -> rows``; each row has ``prompt`` and the columns its reward reads.
         reward: a reward function (see :mod:`rloo_lightning.rewards`).
-        build_tiny_model: ``(directory) -> None``; saves a tokenizer and a warm-started model there.
+        build_tiny_model: ``(directory) -> None``; saves a tokenizer and a warm-started model there
+            (None for tasks meant for real pretrained models).
         version: bump when the builder changes, so that stale caches are not reused.
     """
 
     name: str
     make_rows: Callable[[int, int], list[dict]]
     reward: Callable[..., list[float | None]]
-    build_tiny_model: Callable[[Path], None]
+    build_tiny_model: Callable[[Path], None] | None
     version: int = 1
 
     def tiny_model_dir(self) -> Path:
         """Build the tiny model once (atomically: concurrent ranks may race) and return its directory."""
+        if self.build_tiny_model is None:
+            raise ValueError(f"task {self.name!r} has no tiny model: use a real model with it")
         final = cache_dir() / f"tiny-{self.name}-v{self.version}"
         if (final / "config.json").exists():
             return final
@@ -63,6 +66,6 @@ def get_task(name: str) -> Task:
     return TASKS[name]
 
 
-from rloo_lightning.tasks import reverse  # noqa: E402  (the task modules need Task defined)
+from rloo_lightning.tasks import arithmetic, reverse  # noqa: E402  (the task modules need Task defined)
 
-TASKS: dict[str, Task] = {reverse.TASK.name: reverse.TASK}
+TASKS: dict[str, Task] = {t.name: t for t in (reverse.TASK, arithmetic.TASK)}

