@@ -121,25 +121,51 @@ def default_eos_ids(tokenizer, shipped: GenerationConfig | None) -> list[int]:
     return list(dict.fromkeys(i for i in ids if i is not None))
 
 
-def stop_string_ends(tokenizer, completion_ids: Tensor, mask: Tensor, stop_strings: list[str]) -> Tensor:
+def stop_string_ends(
+    tokenizer,
+    completion_ids: Tensor,
+    mask: Tensor,
+    stop_strings: list[str],
+    prompt_ids: Tensor | None = None,
+    prompt_mask: Tensor | None = None,
+) -> Tensor:
     """Length of each completion up to and including the token that completes a stop string.
+
+    A stop string may begin in the prompt (a chat prompt ending in ``"\n"`` and the stop ``"\n\n"``);
+    transformers stops there too, so the end of the prompt is searched with the completion, and
+    only matches that end inside the completion count.
 
     Args:
         completion_ids, mask: ``[B, T]``.
+        prompt_ids, prompt_mask: ``[B, P]`` left-padded prompts, optional.
 
     Returns:
-        ``[B]`` long: that length, or -1 where no stop string occurs within the mask. Found by a
-        binary search over prefixes (a prefix that contains a stop string stays containing it).
+        ``[B]`` long: that length, or -1 where no stop string ends within the mask. Found by a
+        binary search over prefixes (once a prefix holds a match, every longer one does).
     """
+    longest = max(map(len, stop_strings))
     ends = torch.full((completion_ids.shape[0],), -1, dtype=torch.long)
-    has = lambda ids: any(s in tokenizer.decode(ids, skip_special_tokens=False) for s in stop_strings)  # noqa: E731
     for i, (row, n) in enumerate(zip(completion_ids.tolist(), mask.sum(1).long().tolist())):
-        if not has(row[:n]):
+        tail: list[int] = []
+        if prompt_ids is not None:
+            real = prompt_ids[i][prompt_mask[i].bool()] if prompt_mask is not None else prompt_ids[i]
+            tail = real.tolist()[-longest:]  # every token is at least one character
+        base = len(tokenizer.decode(tail, skip_special_tokens=False))
+
+        def has(m: int) -> bool:
+            text = tokenizer.decode(tail + row[:m], skip_special_tokens=False)
+            for stop in stop_strings:
+                at = text.find(stop, max(0, base - len(stop) + 1))
+                if at != -1 and at + len(stop) > base:
+                    return True
+            return False
+
+        if not has(n):
             continue
         lo, hi = 1, n
         while lo < hi:
             mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if has(row[:mid]) else (mid + 1, hi)
+            lo, hi = (lo, mid) if has(mid) else (mid + 1, hi)
         ends[i] = lo
     return ends
 
@@ -197,7 +223,8 @@ def generate_rollout(
     # Ended by EOS: an EOS inside the mask (after a stop string, generate pads, and pad may be EOS).
     ended = (torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device)) & mask.bool()).any(1)
     if generation_config.stop_strings:
-        ends = stop_string_ends(tokenizer, completion_ids, mask, list(generation_config.stop_strings)).to(mask.device)
+        ends = stop_string_ends(tokenizer, completion_ids, mask, list(generation_config.stop_strings),
+                                prompt_ids, prompt_mask).to(mask.device)
         stopped = ends >= 0
         positions = torch.arange(mask.shape[1], device=mask.device)
         mask = torch.where(stopped[:, None], (positions[None] < ends[:, None]).float(), mask)
