@@ -4,6 +4,7 @@ from rloo_lightning.objectives import (
     leave_one_out_advantages,
     masked_mean,
     masked_sum,
+    pass_at_k,
     policy_loss,
     sequence_kl,
     token_entropy,
@@ -32,4 +33,5 @@ __all__ = [
     "masked_mean",
     "sequence_kl",
     "policy_loss",
+    "pass_at_k",
 ]

@@ -22,6 +22,8 @@ from rloo_lightning.objectives import (
     token_logprobs,
 )
 from rloo_lightning.rewards import RewardSet
+from rloo_lightning.rewards.model import RewardModel
+from rloo_lightning.rewards.shaping import clip_rewards, missing_eos_penalty, overlong_penalty
 from rloo_lightning.rollout import Rollout, default_eos_ids, derive_seed, generate_rollout, sampling_config
 
 __all__ = ["RLOOModule", "NonFiniteError", "warmup_constant_schedule"]
@@ -54,8 +56,25 @@ class RLOOModule(LightningModule):
 
     Args:
         model_name_or_path: policy to train: hub id, local directory, or ``tiny:<task>``.
-        reward_funcs: reward functions as import paths (``"pkg.module.fn"``); executes their code.
+        reward_funcs: reward functions: import paths ``"pkg.module.fn"`` or
+            ``{class_path: pkg.module.Class, init_args: {...}}`` (see :mod:`rloo_lightning.rewards`);
+            importing executes their code.
         reward_weights: one weight per reward function (default: all 1).
+        reward_timeout: seconds one reward call may run; it then runs in a worker process that is
+            killed on timeout and the call scored by ``reward_on_error``. None = no limit.
+        reward_workers: worker processes that run the reward functions in parallel (0 = in this process).
+        reward_on_error: what a reward exception or timeout scores: ``raise``, ``none`` (a missing
+            reward, left out of the baseline) or a number; a warning names the function and prompt.
+        reward_chunk_size: completions per worker call (default: the batch split over the workers).
+        missing_eos_penalty: subtracted from the reward of a completion with no EOS (TRL <= 0.21's
+            ``missing_eos_penalty``); 0 = off.
+        overlong_buffer: DAPO's soft overlong punishment (Yu et al. 2025): a completion longer than
+            ``max_new_tokens - overlong_buffer`` tokens loses up to ``overlong_factor``, linearly; 0 = off.
+        overlong_factor: the largest overlong penalty.
+        reward_clip: ``[low, high]`` clip of the task reward after the penalties, before the KL term
+            (TRL ``reward_clip_range``, OpenRLHF); None = off.
+        mask_truncated_completions: completions without EOS leave the loss and their group's
+            baseline (TRL ``mask_truncated_completions``, DAPO's overlong filtering).
         k: completions per prompt (>= 2). The paper uses 2 and 4.
         beta: KL coefficient. ``R = r - beta * sum_t (logp_t - ref_logp_t)``, detached, before the
             baseline (paper Sec. 2.3). ``beta = 0`` loads no reference model.
@@ -97,8 +116,17 @@ class RLOOModule(LightningModule):
     def __init__(
         self,
         model_name_or_path: str,
-        reward_funcs: list[str],
+        reward_funcs: list[str | dict],
         reward_weights: list[float] | None = None,
+        reward_timeout: float | None = None,
+        reward_workers: int = 0,
+        reward_on_error: str | float = "raise",
+        reward_chunk_size: int | None = None,
+        missing_eos_penalty: float = 0.0,
+        overlong_buffer: int = 0,
+        overlong_factor: float = 1.0,
+        reward_clip: tuple[float, float] | None = None,
+        mask_truncated_completions: bool = False,
         k: int = 4,
         beta: float = 0.05,
         max_new_tokens: int = 64,
@@ -138,13 +166,19 @@ class RLOOModule(LightningModule):
         for pk in val_pass_k or []:
             if not 1 <= pk <= val_num_samples:
                 raise ValueError(f"val_pass_k={val_pass_k}: each k must be in [1, val_num_samples={val_num_samples}]")
+        if not 0 <= overlong_buffer < max_new_tokens:
+            raise ValueError(f"overlong_buffer must be in [0, max_new_tokens={max_new_tokens}), got {overlong_buffer}")
+        if reward_clip is not None and not reward_clip[0] < reward_clip[1]:
+            raise ValueError(f"reward_clip must be [low, high] with low < high, got {reward_clip}")
         if on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}")
         if stop_strings is not None and (not stop_strings or not all(stop_strings)):
             raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         # Resolve reward import paths now: a typo fails before any model is loaded.
-        self.rewards = RewardSet.from_specs(reward_funcs, reward_weights)
+        self.rewards = RewardSet.from_specs(reward_funcs, reward_weights, timeout=reward_timeout,
+                                            num_workers=reward_workers, on_error=reward_on_error,
+                                            chunk_size=reward_chunk_size)
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
         self.policy: torch.nn.Module | None = None
@@ -188,6 +222,12 @@ class RLOOModule(LightningModule):
         self.generation_config = sampling_config(**common, temperature=hp.temperature, top_k=hp.top_k,
                                                  top_p=hp.top_p, repetition_penalty=hp.repetition_penalty)
         self.greedy_config = sampling_config(**common, do_sample=False)
+        for fn in self.rewards.funcs:
+            if isinstance(fn, RewardModel):
+                fn.load()  # a wrong reward model (e.g. several labels) fails before training starts
+
+    def teardown(self, stage: str) -> None:
+        self.rewards.close()
 
     @property
     def reference(self) -> torch.nn.Module | None:
@@ -250,12 +290,29 @@ class RLOOModule(LightningModule):
         rollout.rewards = total.to(self.device)
         rollout.scores = {name: v.to(self.device) for name, v in per_func.items()}
 
+    def shape_rewards(self, rollout: Rollout) -> None:
+        """Training-reward shaping, all off by default: DAPO overlong penalty, missing-EOS penalty, clip.
+
+        Validation metrics use the unshaped reward.
+        """
+        hp = self.hparams
+        r = rollout.rewards
+        if hp.overlong_buffer > 0:
+            lengths = rollout.completion_mask.sum(1)
+            r = r + overlong_penalty(lengths, hp.max_new_tokens, hp.overlong_buffer, hp.overlong_factor)
+        if hp.missing_eos_penalty:
+            r = missing_eos_penalty(r, rollout.truncated, hp.missing_eos_penalty)
+        if hp.reward_clip is not None:
+            r = clip_rewards(r, *hp.reward_clip)
+        rollout.rewards = r
+
     # -- training ------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         # 1. Rollout: k samples per prompt from pi_theta itself (explicit sampler, seeded by step).
         rollout = self.rollout(batch, self.hparams.k, self.sampling_seed("train", self.global_step))
-        # 2. Rewards: weighted sum of the reward functions (NaN = missing).
+        # 2. Rewards: weighted sum of the reward functions (NaN = missing), then the optional shaping.
         self.score(rollout)
+        self.shape_rewards(rollout)
         # 3.-6. Log-probs, KL, advantages, loss.
         loss, entropy = self.rollout_loss(rollout)
         self._last_stats = self._log_train_metrics(rollout, rollout.advantages, entropy, loss)
@@ -320,6 +377,8 @@ class RLOOModule(LightningModule):
             rollout.kl = sequence_kl(logp.detach(), ref_logp, mask)
             rollout.shaped_rewards = rollout.rewards - self.beta * rollout.kl
         rollout.keep = torch.ones_like(rollout.rewards, dtype=torch.bool)
+        if hp.mask_truncated_completions:
+            rollout.keep &= ~rollout.truncated
         self._call_rollout_hooks("on_rollout", rollout)
 
         # 5. Leave-one-out advantages per prompt group: A_i = R_i - mean_{j != i} R_j.

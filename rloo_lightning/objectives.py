@@ -24,6 +24,7 @@ __all__ = [
     "masked_mean",
     "sequence_kl",
     "policy_loss",
+    "pass_at_k",
 ]
 
 
@@ -224,3 +225,23 @@ def policy_loss(
     """
     denom = advantages.shape[0] if num_sequences is None else num_sequences
     return -(advantages.detach() * masked_sum(logp, mask)).sum() / denom
+
+
+def pass_at_k(successes: Tensor, n: int, k: int) -> Tensor:
+    """Unbiased pass@k from ``n`` samples per prompt (Chen et al. 2021, Eq. 1): ``1 - C(n-c, k) / C(n, k)``.
+
+    Args:
+        successes: ``[N]`` number of successful samples ``c`` per prompt, ``0 <= c <= n``.
+        n: samples per prompt; k: ``1 <= k <= n``.
+
+    Returns:
+        ``[N]`` float probabilities that at least one of k samples drawn without replacement succeeds.
+    """
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}")
+    c = successes.long()
+    # prod_{i=n-c+1}^{n} (1 - k/i) = C(n-c, k)/C(n, k), stable for large n (no factorials).
+    i = torch.arange(1, n + 1, device=successes.device, dtype=torch.float64)
+    factors = torch.where(i[None] > (n - c)[:, None], 1.0 - k / i[None], torch.ones_like(i[None]))
+    fail = torch.where(n - c < k, torch.zeros_like(c, dtype=torch.float64), factors.prod(1))
+    return (1.0 - fail).float()

@@ -286,7 +286,8 @@ def invoke(fn: RewardFunction, mode: str, prompts, completions, completion_ids, 
     return list(values)
 
 
-def to_floats(name: str, values: Sequence, prompts: Sequence[str], offset: int = 0, total: int | None = None) -> list[float]:
+def to_floats(name: str, values: Sequence, prompts: Sequence[str], offset: int = 0,
+              total: int | None = None) -> list[float]:
     """Check one function's values; ``None`` -> NaN. ``offset`` is the chunk's first completion."""
     n = len(prompts)
     if len(values) != n:
@@ -353,7 +354,9 @@ class RewardSet:
         specs: what each function was built from (sent to worker processes, which rebuild it).
         timeout: seconds one call (one function on one chunk) may run, or None. Needs a process
             it can kill, so a timeout runs the functions in at least one worker process.
-        num_workers: worker processes (``spawn``) for the functions; 0 = in this process.
+        num_workers: worker processes for the functions (see :mod:`rloo_lightning.rewards.parallel`);
+            0 = in this process. Functions with ``run_in_main_process = True`` (the reward model)
+            always run in this process, without a timeout, while the workers run the others.
         on_error: what an exception or a timeout scores: ``"raise"`` (default), ``"none"``
             (missing reward) or a float; a warning names the function, prompt and cause.
             Protocol errors (wrong count, NaN) always raise.
@@ -381,6 +384,11 @@ class RewardSet:
             raise RewardError(f"reward num_workers must be >= 0, got {self.num_workers}")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise RewardError(f"reward chunk_size must be >= 1 or None, got {self.chunk_size}")
+        if self.start_method not in (None, "spawn", "forkserver"):
+            raise RewardError(
+                f"reward start_method must be 'forkserver', 'spawn' or None, got {self.start_method!r} "
+                "('fork' can hang a process that already ran torch)"
+            )
         self._on_error = _parse_on_error(self.on_error)
         if self.specs is None:
             self.specs = list(self.funcs)

@@ -214,7 +214,8 @@ class RewardModel:
     def _score_alone(self, seq: list[int]) -> float:
         """No padding, so the model's own pooling (last token, or first for encoders) is right."""
         ids = torch.tensor([seq], dtype=torch.long, device=self._device)
-        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        cfg = self.model.config
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         saved, cfg.pad_token_id = cfg.pad_token_id, None  # nothing is padding in a batch of one
         try:
             logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), **self._forward_kwargs).logits

@@ -27,8 +27,9 @@ def missing_eos_penalty(rewards: Tensor, truncated: Tensor, penalty: float) -> T
     """Subtract ``penalty`` from the reward of every completion that has no EOS.
 
     Source: TRL <= 0.21 (``RLOOConfig.missing_eos_penalty``: ``scores[~contain_eos_token] -=
-    missing_eos_penalty``), removed from TRL's later RLOO; OpenRLHF's ``stop_properly_penalty_coef``
-    is the same idea. It pushes the policy to finish within ``max_new_tokens``.
+    missing_eos_penalty``), removed from TRL's later RLOO. It pushes the policy to finish within
+    ``max_new_tokens``. (OpenRLHF's ``stop_properly_penalty_coef`` differs: it *scales* the reward
+    of a truncated sample by a coefficient in [0, 1].)
 
     Args:
         rewards: ``[B]`` float rewards (NaN = missing, stays NaN).
@@ -86,8 +87,8 @@ def clip_rewards(rewards: Tensor, low: float, high: float) -> Tensor:
     """Clip rewards to ``[low, high]`` (NaN stays NaN).
 
     Source: TRL's ``reward_clip_range`` (on the weighted sum of the reward functions, before the
-    KL term) and OpenRLHF's reward clipping (``[-10, 10]``); a guard against a reward model's
-    outliers dominating the leave-one-out baseline.
+    KL term; OpenRLHF clips to ``[-10, 10]``, after its baseline); a guard against a reward
+    model's outliers dominating the leave-one-out baseline.
 
     Args:
         rewards: ``[B]`` float rewards.
