@@ -2,14 +2,15 @@
 
 ``{"prompt": "Mia has 7 pencils and gets 5 more. How many pencils does Mia have now? Answer with
 just the number.", "answer": "12"}``. The reward is 1.0 when the last number in the completion
-equals the answer (``"12"``, ``"12.0"`` and ``"1,2"``-free forms compare numerically), else 0.0:
-verifiable and prompt-dependent.
+equals the answer (compared as numbers: ``"12.0"`` counts), else 0.0 — the built-in
+:class:`rloo_lightning.rewards.builtin.ExactAnswer`: verifiable and prompt-dependent.
 """
 
 from __future__ import annotations
 
 import random
-import re
+
+from rloo_lightning.rewards.builtin import ExactAnswer
 
 NAMES = ["Mia", "Sam", "Lena", "Omar", "Kai", "Zoe", "Ivan", "Nora", "Ben", "Ada"]
 ITEMS = ["apples", "pencils", "stickers", "marbles", "books", "coins", "cards", "shells"]
@@ -19,7 +20,6 @@ TEMPLATES = [
     ("{n} buys {a} bags with {b} {item} in each bag. How many {item} does {n} buy?", lambda a, b: a * b),
 ]
 SUFFIX = " Answer with just the number."
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def make_rows(n: int, seed: int) -> list[dict]:
@@ -35,20 +35,12 @@ def make_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
-def last_number(text: str) -> float | None:
-    """The last number written in ``text`` (thousands commas allowed), or None."""
-    found = _NUMBER.findall(text)
-    if not found:
-        return None
-    try:
-        return float(found[-1].replace(",", ""))
-    except ValueError:
-        return None
+_EXACT = ExactAnswer(column="answer", extract="last_number")
 
 
-def reward(prompts, completions, completion_ids, answer, **columns) -> list[float]:
-    """1.0 if the completion's last number equals the answer, else 0.0."""
-    return [float(last_number(c) == float(a)) for c, a in zip(completions, answer)]
+def reward(prompts, completions, completion_ids, answer, **columns) -> list[float | None]:
+    """1.0 if the completion's last number equals the answer (compared as numbers), else 0.0."""
+    return _EXACT(prompts, completions, completion_ids, answer=answer)
 
 
 from rloo_lightning.tasks import Task  # noqa: E402
