@@ -267,24 +267,20 @@ class PromptDataModule(LightningDataModule):
         return partial(collate_prompts, pad_token_id=self.tokenizer.pad_token_id)
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled prompts from a :class:`ResumableSampler`; on resume it continues mid-epoch.
-
-        The position comes from the restored trainer: ``global_step * accumulate_grad_batches``
-        batches were consumed, so the first epoch after a resume skips those of the current epoch.
-        """
+        """Shuffled prompts from a :class:`ResumableSampler` whose position follows the trainer's step."""
         hp = self.hparams
         trainer = self.trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-        sampler = ResumableSampler(self.train_rows, num_replicas=world, rank=rank, seed=hp.seed)
-        if trainer is not None and trainer.global_step > 0:
-            per_epoch = len(sampler) // hp.batch_size
-            consumed = trainer.global_step * trainer.accumulate_grad_batches
-            skip = consumed - trainer.current_epoch * per_epoch
-            if 0 < skip < per_epoch:
-                sampler.skip_once(skip * hp.batch_size)
+        sampler = ResumableSampler(self.train_rows, num_replicas=world, rank=rank, seed=hp.seed,
+                                   batch_size=hp.batch_size,
+                                   position=self._consumed_batches if trainer is not None else None)
         # drop_last: every rollout has batch_size prompts, so steps are alike.
         return DataLoader(self.train_rows, batch_size=hp.batch_size, sampler=sampler, drop_last=True,
                           collate_fn=self._collate())
+
+    def _consumed_batches(self) -> int:
+        """Training batches this rank has consumed: optimizer steps x accumulation (restored on resume)."""
+        return self.trainer.global_step * self.trainer.accumulate_grad_batches
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_rows, batch_size=self.hparams.val_batch_size or self.hparams.batch_size,
@@ -292,26 +288,40 @@ class PromptDataModule(LightningDataModule):
 
 
 class ResumableSampler(DistributedSampler):
-    """Shuffled, rank-sharded indices whose order is a function of (seed, epoch) only.
+    """Shuffled, rank-sharded indices; the data order is a function of (seed, batches consumed) only.
 
     A ``DistributedSampler`` subclass, so Lightning uses it as is instead of wrapping it; each
-    rank gets its own shard (prompt groups never cross ranks: a rank samples all k completions of
-    its prompts). ``skip_once(n)`` drops the first ``n`` indices of the next pass only: a resumed
-    run continues the interrupted epoch where it stopped instead of replaying it.
+    rank gets its own shard (a prompt's k completions are all sampled on its rank).
+
+    With ``position`` (a callable giving the batches already consumed, e.g. the restored global
+    step), every pass starts from it: epoch ``consumed // batches_per_epoch``, skipping the
+    batches of that epoch already used. A resumed run therefore continues exactly where the
+    interrupted one stopped, mid-epoch or at an epoch boundary, whatever Lightning's own epoch
+    counter says (after a resume at an epoch's last batch it can lag by one). Without
+    ``position`` it behaves as a ``DistributedSampler`` (``set_epoch`` picks the permutation).
+
+    Args:
+        batch_size: batches per epoch are ``len(self) // batch_size`` (``drop_last`` loaders).
     """
 
-    def __init__(self, dataset, num_replicas: int = 1, rank: int = 0, seed: int = 0) -> None:
+    def __init__(self, dataset, num_replicas: int = 1, rank: int = 0, seed: int = 0, batch_size: int = 1,
+                 position=None) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
-        self._skip = 0
+        self.batch_size = batch_size
+        self.position = position
 
-    def skip_once(self, n: int) -> None:
-        self._skip = n
+    def set_epoch(self, epoch: int) -> None:
+        if self.position is None:
+            super().set_epoch(epoch)
 
     def __iter__(self):
-        indices = list(super().__iter__())
-        skip, self._skip = self._skip, 0
-        # len() stays the full shard: Lightning numbers the resumed epoch's batches from the restored count.
-        return iter(indices[skip:])
+        skip = 0
+        if self.position is not None:
+            per_epoch = max(1, self.num_samples // self.batch_size)
+            self.epoch, done = divmod(self.position(), per_epoch)
+            skip = done * self.batch_size
+        # len() stays the full shard: Lightning numbers a resumed epoch's batches from its restored count.
+        return iter(list(super().__iter__())[skip:])
 
 
 def collate_prompts(rows: list[dict], pad_token_id: int) -> dict:
