@@ -520,11 +520,8 @@ def _newest(steps: dict[Path, int]) -> Path:
 
 
 def _resume_point(steps: dict[Path, int]) -> Path:
-    """The newest checkpoint not taken at an epoch's last batch (else the newest): resuming twice
-    through such checkpoints replays an epoch, a bug of its own (see
-    ``test_second_resume_through_epoch_end_checkpoints_is_exact``); this test is about kills."""
-    mid_epoch = {f: s for f, s in steps.items() if s % STEPS_PER_EPOCH != 0}
-    return _newest(mid_epoch or steps)
+    """The newest complete checkpoint (epoch-end ones included: the data order follows the global step)."""
+    return _newest(steps)
 
 
 def _temp_files(folder: Path) -> set[str]:
