@@ -210,14 +210,14 @@ def test_export_loads_and_generates(fitted):
 
 def test_callback_state_survives_resume(fitted, _cache_dir):
     ckpt_dir = fitted / "lightning_logs" / "version_0" / "checkpoints"
-    state = torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=False)
+    state = torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=True)  # no pickled code
     filt = next(v for k, v in state["callbacks"].items() if k.startswith("ZeroVarianceFilter"))
     assert filt["seen_groups"] == 4 * 16  # 4 steps x batch_size 16 prompts
     assert "beta" in state["state_dict"]
     resumed = _fit(fitted, _cache_dir, 6, ["--ckpt_path", str(ckpt_dir / "last.ckpt")])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     last = sorted((fitted / "lightning_logs").glob("version_*/checkpoints/last.ckpt"))[-1]
-    state = torch.load(last, map_location="cpu", weights_only=False)
+    state = torch.load(last, map_location="cpu", weights_only=True)
     filt = next(v for k, v in state["callbacks"].items() if k.startswith("ZeroVarianceFilter"))
     assert state["global_step"] == 6
     assert filt["seen_groups"] == 6 * 16  # counted on from the restored 64, not from 0
