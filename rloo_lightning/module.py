@@ -321,37 +321,6 @@ class RLOOModule(LightningModule):
             return None  # every rank skips together: no backward, no optimizer step
         return loss
 
-    # -- NaN/inf guard -------------------------------------------------------------------------
-    def _finite_everywhere(self, *tensors: Tensor) -> bool:
-        """True if every tensor is finite on every rank (one all-reduce, so all ranks agree)."""
-        ok = torch.stack([torch.isfinite(t.detach()).all() for t in tensors]).all().float()
-        if self._trainer is not None and self.trainer.world_size > 1:
-            ok = self.trainer.strategy.reduce(ok, reduce_op="min")
-        return bool(ok > 0)
-
-    def _on_nonfinite(self, what: str) -> None:
-        stats = ", ".join(f"{k}={v:.4g}" for k, v in self._last_stats.items())
-        message = f"non-finite {what} at step {self.global_step}; rollout statistics: {stats}"
-        if self.hparams.on_nonfinite == "stop":
-            raise NonFiniteError(message + " (on_nonfinite=stop: no update applied, no checkpoint written)")
-        self.skipped_steps += 1
-        rank_zero_warn(message + " (on_nonfinite=skip: update dropped)")
-        self.log("train/skipped_steps", float(self.skipped_steps))
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["rloo_skipped_steps"] = self.skipped_steps
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.skipped_steps = checkpoint.get("rloo_skipped_steps", 0)
-
-    def on_before_optimizer_step(self, optimizer) -> None:
-        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
-        if grads and not self._finite_everywhere(*grads):
-            self._on_nonfinite("gradient")
-            # A parameter without .grad is left alone by torch optimizers: no update, no state change.
-            for p in self.policy.parameters():
-                p.grad = None
-
     def rollout_loss(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
         """Steps 3-6 of a training step on a scored rollout; returns the loss and per-token entropy ``[B, T]``.
 
@@ -415,6 +384,38 @@ class RLOOModule(LightningModule):
                 else:
                     callback.on_rollout_end(self.trainer, self, rollout)
 
+    # -- NaN/inf guard -------------------------------------------------------------------------
+    def _finite_everywhere(self, *tensors: Tensor) -> bool:
+        """True if every tensor is finite on every rank (one all-reduce, so all ranks agree)."""
+        ok = torch.stack([torch.isfinite(t.detach()).all() for t in tensors]).all().float()
+        if self._trainer is not None and self.trainer.world_size > 1:
+            ok = self.trainer.strategy.reduce(ok, reduce_op="min")
+        return bool(ok > 0)
+
+    def _on_nonfinite(self, what: str) -> None:
+        stats = ", ".join(f"{k}={v:.4g}" for k, v in self._last_stats.items())
+        message = f"non-finite {what} at step {self.global_step}; rollout statistics: {stats}"
+        if self.hparams.on_nonfinite == "stop":
+            raise NonFiniteError(message + " (on_nonfinite=stop: no update applied, no checkpoint written)")
+        self.skipped_steps += 1
+        rank_zero_warn(message + " (on_nonfinite=skip: update dropped)")
+        self.log("train/skipped_steps", float(self.skipped_steps))
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["rloo_skipped_steps"] = self.skipped_steps
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.skipped_steps = checkpoint.get("rloo_skipped_steps", 0)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+        if grads and not self._finite_everywhere(*grads):
+            self._on_nonfinite("gradient")
+            # A parameter without .grad is left alone by torch optimizers: no update, no state change.
+            for p in self.policy.parameters():
+                p.grad = None
+
+    # -- metrics -------------------------------------------------------------------------------
     def _log_train_metrics(
         self, rollout: Rollout, advantages: Tensor, entropy: Tensor, loss: Tensor
     ) -> dict[str, float]:

@@ -152,7 +152,7 @@ def stop_string_ends(
             tail = real.tolist()[-longest:]  # every token is at least one character
         base = len(tokenizer.decode(tail, skip_special_tokens=False))
 
-        def has(m: int) -> bool:
+        def has(m: int, tail=tail, row=row, base=base) -> bool:
             text = tokenizer.decode(tail + row[:m], skip_special_tokens=False)
             for stop in stop_strings:
                 at = text.find(stop, max(0, base - len(stop) + 1))

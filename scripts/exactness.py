@@ -146,7 +146,8 @@ def markdown(report: dict[str, Any]) -> str:
     for toy in report["toys"]:
         lines += [f"### Toy `{toy['name']}`", "", "```", json.dumps(toy), "```", ""]
         lines += [
-            "| variant | k | beta | verdict | max abs z | rejected / coords | scale c | max abs z after c | rel. bias | var trace |",
+            "| variant | k | beta | verdict | max abs z | rejected / coords | scale c | max abs z after c "
+            "| rel. bias | var trace |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in report["results"]:
@@ -185,7 +186,8 @@ def markdown(report: dict[str, Any]) -> str:
               "coords with abs z > 1.96 | sd of z |", "|---|---|---|---|---|---|---|---|"]
     for c in report["calibration"]:
         lines.append(
-            f"| {c['toy']} | {c['k']} | {c['beta']} | {c['repetitions']} x {c['minibatches']} | {c['family_rejections_at_0.05']} | "
+            f"| {c['toy']} | {c['k']} | {c['beta']} | {c['repetitions']} x {c['minibatches']} | "
+            f"{c['family_rejections_at_0.05']} | "
             f"{c['family_rejections_at_1e-3']} | {c['coord_fraction_abs_z_gt_1.96']} | {c['coord_sd_of_z']} |"
         )
     return "\n".join(lines) + "\n"

@@ -570,10 +570,10 @@ def test_sigkill_leaves_loadable_checkpoints_and_resume_is_exact(tmp_path, tiny_
         if how == "first checkpoint":
             wait_until(proc, lambda: any(ckdir.glob("*.ckpt")), poll=0.001)
         elif how == "random delay":
-            wait_until(proc, lambda: newest_step() > newest_before)
+            wait_until(proc, lambda before=newest_before: newest_step() > before)
             time.sleep(rng.uniform(0.0, 0.15))
         else:
-            wait_until(proc, lambda: newest_step() > newest_before)
+            wait_until(proc, lambda before=newest_before: newest_step() > before)
             polls = 0
             while proc.popen.poll() is None:  # busy poll: a temp file lives ~0.5 ms
                 if _temp_files(tmpdir) - known:

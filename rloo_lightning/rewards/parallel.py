@@ -24,6 +24,7 @@ Each rank of a distributed run has its own pool.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing
 import pickle
@@ -97,10 +98,9 @@ def _worker_main(conn, payloads: dict[int, bytes]) -> None:
         if "torch" in sys.modules:  # N workers on N cores: no oversubscription by intra-op threads
             sys.modules["torch"].set_num_threads(1)
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which raises it
-        try:
+        with contextlib.suppress(Exception):  # the parent may be gone; the worker exits either way
             conn.send(("init_error", _pack(err), traceback.format_exc()))
-        finally:
-            return
+        return
     conn.send(("ready",))
     while True:
         try:
