@@ -103,6 +103,9 @@ class RLOOModule(LightningModule):
             model's shipped generation config, e.g. a chat model's end-of-turn token).
         stop_strings: strings that end a completion; the completion mask ends with the token that
             completes the first one.
+        gradient_checkpointing: recompute activations in the backward of the update (less memory,
+            one more forward). Generation runs in eval mode, where transformers does not checkpoint
+            and keeps the KV cache (in train mode checkpointing would silently turn the cache off).
         on_nonfinite: what a NaN/inf loss or gradient does: ``stop`` raises :class:`NonFiniteError`
             (naming the step and the rollout statistics that led to it) before the optimizer step,
             so no poisoned weights reach a checkpoint; ``skip`` drops that update (no parameter or
@@ -144,6 +147,7 @@ class RLOOModule(LightningModule):
         success_threshold: float = 1.0,
         eos_token_ids: list[int] | None = None,
         stop_strings: list[str] | None = None,
+        gradient_checkpointing: bool = False,
         on_nonfinite: Literal["stop", "skip"] = "stop",
         gguf_file: str | None = None,
         trust_remote_code: bool = False,
@@ -209,6 +213,9 @@ class RLOOModule(LightningModule):
         if hp.beta > 0:
             # The reference is the initial policy: a copy, not a second load (a GGUF load dequantizes).
             self._ref = _Frozen(copy.deepcopy(self.policy))
+        if hp.gradient_checkpointing:
+            # Non-reentrant: works with inputs that need no grad and with DDP; only active in train mode.
+            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # from_pretrained returns eval mode and Lightning does not call .train(): set it.
         self.policy.train()
         if hp.disable_dropout:
