@@ -48,7 +48,7 @@ def test_checkpointed_update_has_the_same_gradient(tiny_model_dir):
         # Count calls of one MLP's forward (module hooks do not fire in torch's recomputation).
         mlp, calls = module.policy.model.layers[0].mlp, []
         original = mlp.forward
-        mlp.forward = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+        mlp.forward = lambda *a, calls=calls, original=original, **kw: calls.append(1) or original(*a, **kw)
         loss.backward()  # with checkpointing, the layers' forwards run again here
         mlp.forward = original
         recomputed[checkpointing] = len(calls)
