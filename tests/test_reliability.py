@@ -361,14 +361,21 @@ def test_ddp_cli_fit_runs_to_completion(tmp_path, tiny_model_dir, _cache_dir):
     # ModelCheckpoint saves after validation only, so a run that ends between validations has no checkpoint
     args = _fit_args(tmp_path, tiny_model_dir, steps, "--trainer.strategy", "ddp", "--trainer.devices", "2",
                      "--trainer.val_check_interval", str(steps), "--data.num_train_rows", "32",
-                     *_recorder(tmp_path / "rollouts.jsonl"))
+                     *_recorder(tmp_path / "rollouts.jsonl"),
+                     # callbacks that reduce across ranks (KL max, filter counts) or export on rank 0
+                     "--trainer.callbacks+=rloo_lightning.callbacks.KLMonitor",
+                     "--trainer.callbacks+=rloo_lightning.callbacks.ZeroVarianceFilter",
+                     "--trainer.callbacks+=rloo_lightning.callbacks.RewardVarianceLogger",
+                     "--trainer.callbacks+=rloo_lightning.callbacks.HFExport")
     run = _cli("ddp", args, tmp_path, _env(_cache_dir)).wait()
     assert run.rc == 0, run.explain()
     assert "distributed_backend=gloo" in run.stdout + run.stderr, run.explain()
     version = tmp_path / "lightning_logs" / "version_0"
     scalars = _scalars(version)
-    for tag in ("train/reward", "train/kl", "train/loss", "train/entropy", "val/reward"):
+    for tag in ("train/reward", "train/kl", "train/loss", "train/entropy", "val/reward", "train/kl_token_max",
+                "train/kl_seq_q90", "train/filtered_groups", "train/group_reward_std_mean"):
         assert tag in scalars, sorted(scalars)
+    assert (version / "hf_model" / "config.json").is_file()  # HFExport on rank 0 without a hang
     assert sorted(scalars["train/reward"]) == list(range(steps))
     assert sorted(scalars["val/reward"]) == [0, steps - 1]  # before training (step 0) and after step 3
     ckpt = _load(_only_ckpt(version / "checkpoints"))

@@ -28,10 +28,14 @@ class HFExport(Callback):
     def export_dir(self, trainer: Trainer) -> Path:
         return Path(self.dirpath) if self.dirpath else Path(trainer.log_dir or trainer.default_root_dir) / "hf_model"
 
+    # export_dir runs on every rank: trainer.log_dir is a broadcast, a collective that rank 0 alone would hang in.
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
-        if self.on_checkpoint and trainer.is_global_zero:
-            pl_module.save_pretrained(str(self.export_dir(trainer) / f"step-{trainer.global_step}"))
+        if self.on_checkpoint:
+            directory = self.export_dir(trainer) / f"step-{trainer.global_step}"
+            if trainer.is_global_zero:
+                pl_module.save_pretrained(str(directory))
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        directory = self.export_dir(trainer)
         if trainer.is_global_zero:
-            pl_module.save_pretrained(str(self.export_dir(trainer)))
+            pl_module.save_pretrained(str(directory))
