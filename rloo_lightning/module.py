@@ -14,6 +14,7 @@ from torchmetrics import MeanMetric
 
 from rloo_lightning.objectives import (
     leave_one_out_advantages,
+    group_std,
     masked_sum,
     pass_at_k,
     policy_loss,
@@ -194,9 +195,8 @@ class RLOOModule(LightningModule):
         self.register_buffer("beta", torch.tensor(float(beta)))
         names = ["reward"] + (["reward_greedy", "accuracy_greedy"] if val_greedy else [])
         names += [f"pass@{pk}" for pk in val_pass_k or []]
-        # keys without "/" or "@": module names; logged as val/<name>
-        self.val_metrics = torch.nn.ModuleDict(
-            {n.replace("@", "_at_"): MeanMetric(nan_strategy="ignore") for n in names})
+        # logged as val/<name>
+        self.val_metrics = torch.nn.ModuleDict({n: MeanMetric(nan_strategy="ignore") for n in names})
 
     # -- models --------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -368,6 +368,16 @@ class RLOOModule(LightningModule):
         self._call_rollout_hooks("on_rollout_end", rollout)
         return loss, entropy
 
+    @property
+    def world_size(self) -> int:
+        return self.trainer.world_size if self._trainer is not None else 1
+
+    def reduce_across_ranks(self, tensor: Tensor, op: str = "sum") -> Tensor:
+        """``tensor`` reduced over all ranks (``sum``, ``min``, ``max``); itself on one process."""
+        if self.world_size == 1:
+            return tensor
+        return self.trainer.strategy.reduce(tensor, reduce_op=op)
+
     def _kept_per_rank(self, keep: Tensor) -> Tensor:
         """Kept sequences over all ranks divided by the world size.
 
@@ -375,9 +385,7 @@ class RLOOModule(LightningModule):
         update the mean over every kept sequence in the global batch, however they are spread.
         If nothing is kept the loss is an exact zero that still touches the graph (no DDP hang).
         """
-        kept = keep.sum().float()
-        if self._trainer is not None and self.trainer.world_size > 1:
-            kept = self.trainer.strategy.reduce(kept, reduce_op="sum") / self.trainer.world_size
+        kept = self.reduce_across_ranks(keep.sum().float(), "sum") / self.world_size
         return torch.where(kept > 0, kept, torch.ones_like(kept))
 
     def _call_rollout_hooks(self, hook: str, rollout: Rollout) -> None:
@@ -395,9 +403,7 @@ class RLOOModule(LightningModule):
     def _finite_everywhere(self, *tensors: Tensor) -> bool:
         """True if every tensor is finite on every rank (one all-reduce, so all ranks agree)."""
         ok = torch.stack([torch.isfinite(t.detach()).all() for t in tensors]).all().float()
-        if self._trainer is not None and self.trainer.world_size > 1:
-            ok = self.trainer.strategy.reduce(ok, reduce_op="min")
-        return bool(ok > 0)
+        return bool(self.reduce_across_ranks(ok, "min") > 0)
 
     def _on_nonfinite(self, what: str) -> None:
         stats = ", ".join(f"{k}={v:.4g}" for k, v in self._last_stats.items())
@@ -429,14 +435,14 @@ class RLOOModule(LightningModule):
         """Log step metrics, each an exact global mean: sums and counts are all-reduced, not means."""
         mask, k = rollout.completion_mask, rollout.k
         valid = ~torch.isnan(rollout.rewards)
-        groups = rollout.rewards.view(-1, k)
-        group_std = torch.nan_to_num(groups, nan=0.0).std(dim=1, unbiased=False)
+        stds = group_std(rollout.rewards, k)
+        num_groups = torch.tensor(stds.shape[0])
         ones = torch.ones_like(rollout.rewards)
         sums = {
             # name: (sum, count)
             "train/reward": (torch.nan_to_num(rollout.rewards).sum(), valid.sum()),
-            "train/reward_std": (group_std.sum(), torch.tensor(groups.shape[0])),
-            "train/zero_std_groups": ((group_std == 0).sum(), torch.tensor(groups.shape[0])),
+            "train/reward_std": (stds.sum(), num_groups),
+            "train/zero_std_groups": ((stds == 0).sum(), num_groups),
             "train/advantage_abs": (advantages.abs().sum(), ones.sum()),
             "train/completion_length": (mask.sum(), ones.sum()),
             "train/clipped_ratio": (rollout.truncated.sum(), ones.sum()),
@@ -451,8 +457,7 @@ class RLOOModule(LightningModule):
         names = list(sums)
         stacked = torch.stack([torch.stack([s.float().to(self.device), c.float().to(self.device)])
                                for s, c in sums.values()])
-        if self.trainer.world_size > 1:
-            stacked = self.trainer.strategy.reduce(stacked, reduce_op="sum")
+        stacked = self.reduce_across_ranks(stacked, "sum")
         means = (stacked[:, 0] / stacked[:, 1].clamp(min=1)).tolist()
         metrics = dict(zip(names, means))
         for name, value in metrics.items():
@@ -475,7 +480,7 @@ class RLOOModule(LightningModule):
         out = {"reward": rewards.nanmean(1)}
         successes = (rewards >= hp.success_threshold).sum(1)
         for pk in hp.val_pass_k or []:
-            out[f"pass_at_{pk}"] = pass_at_k(successes, n, pk)
+            out[f"pass@{pk}"] = pass_at_k(successes, n, pk)
         if hp.val_greedy:
             greedy = self.rollout(batch, 1, 0, greedy=True)
             self.score(greedy)
@@ -487,7 +492,7 @@ class RLOOModule(LightningModule):
         for name, values in self.evaluate_batch(batch, batch_idx).items():
             metric = self.val_metrics[name]
             metric.update(values)
-            self.log(f"val/{name.replace('_at_', '@')}", metric, prog_bar=name == "reward",
+            self.log(f"val/{name}", metric, prog_bar=name == "reward",
                      batch_size=len(batch["prompt"]))
 
     # -- export --------------------------------------------------------------------------------

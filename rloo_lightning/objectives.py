@@ -25,6 +25,7 @@ __all__ = [
     "sequence_kl",
     "policy_loss",
     "pass_at_k",
+    "group_std",
 ]
 
 
@@ -245,3 +246,18 @@ def pass_at_k(successes: Tensor, n: int, k: int) -> Tensor:
     factors = torch.where(i[None] > (n - c)[:, None], 1.0 - k / i[None], torch.ones_like(i[None]))
     fail = torch.where(n - c < k, torch.zeros_like(c, dtype=torch.float64), factors.prod(1))
     return (1.0 - fail).float()
+
+
+def group_std(values: Tensor, k: int) -> Tensor:
+    """Population std of each prompt group's valid (non-NaN) rewards.
+
+    Args:
+        values: ``[N*k]`` prompt-major. Returns ``[N]`` (0 for a group with < 2 valid values).
+    """
+    groups = values.view(-1, k)
+    valid = ~torch.isnan(groups)
+    n = valid.sum(1).clamp(min=1)
+    filled = torch.where(valid, groups, torch.zeros_like(groups))
+    mean = filled.sum(1) / n
+    var = torch.where(valid, (groups - mean[:, None]) ** 2, torch.zeros_like(groups)).sum(1) / n
+    return torch.where(valid.sum(1) >= 2, var.sqrt(), torch.zeros_like(var))

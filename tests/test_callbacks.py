@@ -16,7 +16,7 @@ from rloo_lightning import RLOOModule
 from rloo_lightning.callbacks import KLMonitor, SampleLogger, ZeroVarianceFilter
 from rloo_lightning.callbacks.filter import informative_groups
 from rloo_lightning.callbacks.kl import adaptive_beta
-from rloo_lightning.callbacks.stats import group_std
+from rloo_lightning.objectives import group_std
 from rloo_lightning.data import collate_prompts
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -283,7 +283,7 @@ def test_evaluate_batch_metrics_per_prompt(tiny_model_dir):
     prompts = ["abc=", "hgfe=", "abcdefgh=", "d=", "aceg=", "bdfh="]
     batch = _batch(module.tokenizer, prompts)
     out = module.evaluate_batch(batch, 0)
-    assert set(out) == {"reward", "pass_at_1", "pass_at_4", "reward_greedy", "accuracy_greedy"}
+    assert set(out) == {"reward", "pass@1", "pass@4", "reward_greedy", "accuracy_greedy"}
     assert set(out) == set(module.val_metrics)  # validation_step logs each through its metric
     assert all(v.shape == (len(prompts),) for v in out.values())
 
@@ -293,13 +293,13 @@ def test_evaluate_batch_metrics_per_prompt(tiny_model_dir):
     rewards = again.rewards.view(len(prompts), 4)
     success = (rewards >= 0.5).float()
     torch.testing.assert_close(out["reward"], rewards.mean(1))
-    torch.testing.assert_close(out["pass_at_1"], success.mean(1))
-    torch.testing.assert_close(out["pass_at_4"], success.amax(1))
-    assert set(out["pass_at_4"].tolist()) <= {0.0, 1.0}
-    assert (out["pass_at_4"] >= out["pass_at_1"]).all()
-    assert ((out["pass_at_1"] > 0) == (out["pass_at_4"] == 1)).all()
+    torch.testing.assert_close(out["pass@1"], success.mean(1))
+    torch.testing.assert_close(out["pass@4"], success.amax(1))
+    assert set(out["pass@4"].tolist()) <= {0.0, 1.0}
+    assert (out["pass@4"] >= out["pass@1"]).all()
+    assert ((out["pass@1"] > 0) == (out["pass@4"] == 1)).all()
     # not degenerate: some prompts pass and the samples disagree somewhere
-    assert 0 < out["pass_at_4"].sum() and ((out["pass_at_1"] > 0) & (out["pass_at_1"] < 1)).any(), out
+    assert 0 < out["pass@4"].sum() and ((out["pass@1"] > 0) & (out["pass@1"] < 1)).any(), out
 
     greedy = module.rollout(batch, 1, 0, greedy=True)
     module.score(greedy)
@@ -320,9 +320,9 @@ def test_success_threshold_moves_pass_at_k(tiny_model_dir):
         module = _module(tiny_model_dir, success_threshold=threshold, **kwargs)
         batch = batch or _batch(module.tokenizer, ["abc=", "hgfe="])
         outs[threshold] = module.evaluate_batch(batch, 0)
-    assert set(outs[0.0]) == {"reward", "pass_at_2"}  # no greedy keys when val_greedy=False
-    assert outs[0.0]["pass_at_2"].tolist() == [1.0, 1.0]  # every reward >= 0
-    assert outs[1.01]["pass_at_2"].tolist() == [0.0, 0.0]  # no reward reaches 1.01
+    assert set(outs[0.0]) == {"reward", "pass@2"}  # no greedy keys when val_greedy=False
+    assert outs[0.0]["pass@2"].tolist() == [1.0, 1.0]  # every reward >= 0
+    assert outs[1.01]["pass@2"].tolist() == [0.0, 0.0]  # no reward reaches 1.01
     torch.testing.assert_close(outs[0.0]["reward"], outs[1.01]["reward"])
 
 
@@ -336,8 +336,8 @@ def test_evaluate_batch_missing_rewards_are_ignored_in_mean_and_fail(tiny_model_
                      success_threshold=0.5, val_greedy=False, max_new_tokens=4)
     out = module.evaluate_batch(_batch(module.tokenizer, ["abc=", "hg="]), 0)
     assert out["reward"].tolist() == [1.0, 1.0]  # mean over the scored samples only
-    assert out["pass_at_1"].tolist() == [0.5, 0.5]  # a missing reward is not a success
-    assert out["pass_at_4"].tolist() == [1.0, 1.0]
+    assert out["pass@1"].tolist() == [0.5, 0.5]  # a missing reward is not a success
+    assert out["pass@4"].tolist() == [1.0, 1.0]
 
 
 @pytest.mark.parametrize("bad", [[5], [0], [1, 5]])

@@ -46,7 +46,7 @@ class ValidateAtStart(Callback):
                 for name, values in pl_module.evaluate_batch(batch, batch_idx).items():
                     means.setdefault(name, MeanMetric(nan_strategy="ignore").to(pl_module.device)).update(values)
         # MeanMetric.compute reduces sums and counts across ranks.
-        metrics = {f"val/{name.replace('_at_', '@')}": metric.compute().item() for name, metric in means.items()}
+        metrics = {f"val/{name}": metric.compute().item() for name, metric in means.items()}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=0)
         pl_module.print(f"validation before training: {metrics}")

@@ -67,9 +67,7 @@ class ZeroVarianceFilter(RolloutHook):
         informative = informative_groups(values, rollout.k, self.atol)
         rollout.keep &= informative.repeat_interleave(rollout.k)
         counts = torch.stack([(~informative).sum(), torch.tensor(informative.numel(), device=values.device)])
-        counts = counts.float()
-        if trainer.world_size > 1:
-            counts = trainer.strategy.reduce(counts, reduce_op="sum")
+        counts = pl_module.reduce_across_ranks(counts.float(), "sum")
         self.dropped_groups += int(counts[0])
         self.seen_groups += int(counts[1])
         pl_module.log("train/filtered_groups", (counts[0] / counts[1]).item(), batch_size=len(rollout.prompts))

@@ -76,9 +76,8 @@ class KLMonitor(RolloutHook):
         seq = pl_module.all_gather(rollout.kl).reshape(-1).float()
         tok = torch.stack([rollout.token_kl.sum(), rollout.completion_mask.sum()]).float()
         tok_max = (rollout.token_kl + (rollout.completion_mask - 1) * 1e30).amax().float()
-        if trainer.world_size > 1:
-            tok = trainer.strategy.reduce(tok, reduce_op="sum")
-            tok_max = pl_module.all_gather(tok_max).amax()
+        tok = pl_module.reduce_across_ranks(tok, "sum")
+        tok_max = pl_module.reduce_across_ranks(tok_max, "max")
         mean_kl = seq.mean().item()
         metrics = {
             "train/kl_seq_mean": mean_kl,

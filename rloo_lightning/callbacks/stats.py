@@ -7,23 +7,9 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from rloo_lightning.callbacks import RolloutHook
+from rloo_lightning.objectives import group_std
 
-__all__ = ["RewardVarianceLogger", "SampleLogger", "group_std"]
-
-
-def group_std(values: torch.Tensor, k: int) -> torch.Tensor:
-    """Population std of each prompt group's valid (non-NaN) rewards.
-
-    Args:
-        values: ``[N*k]`` prompt-major. Returns ``[N]`` (0 for a group with < 2 valid values).
-    """
-    groups = values.view(-1, k)
-    valid = ~torch.isnan(groups)
-    n = valid.sum(1).clamp(min=1)
-    filled = torch.where(valid, groups, torch.zeros_like(groups))
-    mean = filled.sum(1) / n
-    var = torch.where(valid, (groups - mean[:, None]) ** 2, torch.zeros_like(groups)).sum(1) / n
-    return torch.where(valid.sum(1) >= 2, var.sqrt(), torch.zeros_like(var))
+__all__ = ["RewardVarianceLogger", "SampleLogger"]
 
 
 def _tensorboards(trainer: Trainer) -> list:
