@@ -107,6 +107,13 @@ class RLOOModule(LightningModule):
         gradient_checkpointing: recompute activations in the backward of the update (less memory,
             one more forward). Generation runs in eval mode, where transformers does not checkpoint
             and keeps the KV cache (in train mode checkpointing would silently turn the cache off).
+        micro_batch_size: completions per forward/backward pass of the update (None = the whole
+            rollout at once). The rollout is still sampled whole and there is still one optimizer
+            step per rollout: the same update as unsplit, with the activation memory of one
+            micro-batch. With a KL term the policy runs one extra forward without grad (the
+            sequence KL of every completion is needed before any advantage exists). Lightning's
+            ``accumulate_grad_batches=n`` is different and composes with it: n rollouts (each
+            sampled from the same, not yet updated policy, so still on-policy) per optimizer step.
         on_nonfinite: what a NaN/inf loss or gradient does: ``stop`` raises :class:`NonFiniteError`
             (naming the step and the rollout statistics that led to it) before the optimizer step,
             so no poisoned weights reach a checkpoint; ``skip`` drops that update (no parameter or
@@ -149,6 +156,7 @@ class RLOOModule(LightningModule):
         eos_token_ids: list[int] | None = None,
         stop_strings: list[str] | None = None,
         gradient_checkpointing: bool = False,
+        micro_batch_size: int | None = None,
         on_nonfinite: Literal["stop", "skip"] = "stop",
         gguf_file: str | None = None,
         trust_remote_code: bool = False,
@@ -175,6 +183,8 @@ class RLOOModule(LightningModule):
             raise ValueError(f"overlong_buffer must be in [0, max_new_tokens={max_new_tokens}), got {overlong_buffer}")
         if reward_clip is not None and not reward_clip[0] < reward_clip[1]:
             raise ValueError(f"reward_clip must be [low, high] with low < high, got {reward_clip}")
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1 (sequences per forward/backward) or None, got {micro_batch_size}")
         if on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}")
         if stop_strings is not None and (not stop_strings or not all(stop_strings)):
@@ -190,6 +200,7 @@ class RLOOModule(LightningModule):
         self.tokenizer = None
         self._ref: _Frozen | None = None
         self.skipped_steps = 0
+        self._grad_stash: list[Tensor | None] | None = None  # micro-batch gradients awaiting the backward
         self._last_stats: dict[str, float] = {}
         # The KL coefficient in use; a buffer so that an adaptive controller's value is checkpointed.
         self.register_buffer("beta", torch.tensor(float(beta)))
@@ -215,7 +226,11 @@ class RLOOModule(LightningModule):
             self._ref = _Frozen(copy.deepcopy(self.policy))
         if hp.gradient_checkpointing:
             # Non-reentrant: works with inputs that need no grad and with DDP; only active in train mode.
-            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            kwargs = {"use_reentrant": False}
+            if hasattr(self.policy, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+                self.policy.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         # from_pretrained returns eval mode and Lightning does not call .train(): set it.
         self.policy.train()
         if hp.disable_dropout:
@@ -276,18 +291,49 @@ class RLOOModule(LightningModule):
             self.greedy_config if greedy else self.generation_config, seed,
         )
 
-    def completion_logits(self, model: torch.nn.Module, rollout: Rollout) -> Tensor:
-        """Logits ``[B, T, V]`` predicting each completion token, prompt and all in one forward.
+    def micro_batches(self, num_sequences: int) -> list[slice]:
+        """Row slices of a rollout for the forward/backward passes (``micro_batch_size`` rows each)."""
+        size = self.hparams.micro_batch_size or num_sequences
+        return [slice(s, min(s + size, num_sequences)) for s in range(0, num_sequences, size)]
 
-        Position ids come from the attention mask, so left padding does not shift positions.
+    def completion_logits(
+        self, model: torch.nn.Module, rollout: Rollout, rows: slice = slice(None), trim: bool = False
+    ) -> Tensor:
+        """Logits ``[b, T', V]`` predicting each completion token of ``rows``, prompt and all in one forward.
+
+        Position ids come from the attention mask, so left padding does not shift positions. With
+        ``trim``, columns that are padding in every row (the prompts' common left padding, the tail
+        after the longest completion) are cut before the forward, and ``T'`` is the longest
+        completion of ``rows``; otherwise ``T' = T``.
         """
-        ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
-        attn = torch.cat([rollout.prompt_mask, torch.ones_like(rollout.completion_ids)], dim=1)
+        prompt_ids, prompt_mask = rollout.prompt_ids[rows], rollout.prompt_mask[rows]
+        completion_ids = rollout.completion_ids[rows]
+        width = completion_ids.shape[1]
+        if trim:
+            start = int(prompt_mask.any(0).int().argmax())  # first column with a real prompt token
+            prompt_ids, prompt_mask = prompt_ids[:, start:], prompt_mask[:, start:]
+            width = int(rollout.completion_mask[rows].sum(1).max().clamp(min=1))
+            completion_ids = completion_ids[:, :width]
+        ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attn = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
         position_ids = (attn.cumsum(1) - 1).clamp(min=0)
-        T = rollout.completion_ids.shape[1]
         out = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=False,
-                    logits_to_keep=T + 1)
+                    logits_to_keep=width + 1)
         return out.logits[:, :-1]
+
+    def sequence_logprobs(
+        self, model: torch.nn.Module, rollout: Rollout, rows: slice = slice(None), with_entropy: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """Per-token log-probs ``[b, T]`` (fp32, sampling temperature) of the completions in ``rows``,
+        and their entropies (a metric, no grad) when ``with_entropy``; 0 past each row's end."""
+        logits = self.completion_logits(model, rollout, rows, trim=True)
+        tokens = rollout.completion_ids[rows][:, : logits.shape[1]]
+        pad = (0, rollout.completion_ids.shape[1] - logits.shape[1])
+        logp = torch.nn.functional.pad(token_logprobs(logits, tokens, self.hparams.temperature), pad)
+        entropy = None
+        if with_entropy:
+            entropy = torch.nn.functional.pad(token_entropy(logits.detach(), self.hparams.temperature), pad)
+        return logp, entropy
 
     def score(self, rollout: Rollout) -> None:
         """Fill ``rollout.scores`` and ``rollout.rewards`` (the weighted task reward r)."""
@@ -335,22 +381,29 @@ class RLOOModule(LightningModule):
         """
         hp = self.hparams
         mask = rollout.completion_mask
+        chunks = self.micro_batches(mask.shape[0])
+        self._grad_stash = None
 
         # 3. Log-probs of the completion: policy with grad, reference without, same temperature.
-        logits = self.completion_logits(self.policy, rollout)
-        logp = token_logprobs(logits, rollout.completion_ids, hp.temperature)
-        entropy = token_entropy(logits.detach(), hp.temperature)
-        del logits
+        #    Micro-batched, the KL of step 4 needs every sequence's log-prob before any loss can be
+        #    formed, so the policy runs here without grad (only if there is a KL) and again with
+        #    grad, one micro-batch at a time, in step 6.
+        logp = entropy = None
+        if len(chunks) == 1:
+            logp, entropy = self.sequence_logprobs(self.policy, rollout, with_entropy=True)
+            policy_logp = logp.detach()
+        elif self.reference is not None:
+            with torch.no_grad():
+                policy_logp = torch.cat([self.sequence_logprobs(self.policy, rollout, rows)[0] for rows in chunks])
 
         # 4. KL k1 on the sequence, detached, folded into the reward *before* the baseline:
         #    R = r - beta * log pi(y)/pi_ref(y) (paper Sec. 2.3), unbiased for E[r] - beta*KL.
         rollout.shaped_rewards = rollout.rewards
         if self.reference is not None:
             with torch.no_grad():
-                ref_logp = token_logprobs(self.completion_logits(self.reference, rollout),
-                                          rollout.completion_ids, hp.temperature)
-            rollout.token_kl = (logp.detach() - ref_logp) * mask
-            rollout.kl = sequence_kl(logp.detach(), ref_logp, mask)
+                ref_logp = torch.cat([self.sequence_logprobs(self.reference, rollout, rows)[0] for rows in chunks])
+            rollout.token_kl = (policy_logp - ref_logp) * mask
+            rollout.kl = sequence_kl(policy_logp, ref_logp, mask)
             rollout.shaped_rewards = rollout.rewards - self.beta * rollout.kl
         rollout.keep = torch.ones_like(rollout.rewards, dtype=torch.bool)
         if hp.mask_truncated_completions:
@@ -363,10 +416,69 @@ class RLOOModule(LightningModule):
         rollout.advantages = leave_one_out_advantages(rewards, hp.k)
 
         # 6. Sequence-level REINFORCE: -mean_i A_i * sum_t m_t logp_t over the kept sequences.
-        loss = policy_loss(rollout.advantages, logp, mask, num_sequences=self._kept_per_rank(rollout.keep))
+        num_sequences = self._kept_per_rank(rollout.keep)
+        if logp is not None:
+            loss = policy_loss(rollout.advantages, logp, mask, num_sequences=num_sequences)
+        else:
+            loss, entropy = self._micro_batched_loss(rollout, chunks, num_sequences)
 
         self._call_rollout_hooks("on_rollout_end", rollout)
         return loss, entropy
+
+    def _micro_batched_loss(self, rollout: Rollout, chunks: list[slice], num_sequences: Tensor) -> tuple[Tensor, Tensor]:
+        """Step 6 one micro-batch at a time: the same loss and gradient as the whole rollout at once.
+
+        The loss is a sum over sequences divided by a count fixed beforehand, so it splits into a
+        sum of micro-batch losses. Every micro-batch but the last is differentiated here and its
+        gradient held back (see :meth:`_backward_early`); the last one's loss is returned for
+        Lightning's backward, plus the others' values (detached) so that the logged loss is the total.
+        """
+        entropies, earlier = [], torch.zeros((), device=self.device)
+        for i, rows in enumerate(chunks):
+            logp, entropy = self.sequence_logprobs(self.policy, rollout, rows, with_entropy=True)
+            entropies.append(entropy)
+            loss = policy_loss(rollout.advantages[rows], logp, rollout.completion_mask[rows], num_sequences)
+            if i < len(chunks) - 1:
+                self._backward_early(loss)
+                earlier = earlier + loss.detach()
+        return loss + earlier, torch.cat(entropies)
+
+    def _backward_early(self, loss: Tensor) -> None:
+        """Gradient of one micro-batch, kept until Lightning's backward of the last one.
+
+        Not ``loss.backward()``: Lightning zeroes the gradients *after* ``training_step`` returns,
+        and under DDP the first backward after the forward would all-reduce a partial gradient.
+        ``autograd.grad`` fires neither DDP's hooks nor writes ``.grad``; :meth:`on_before_backward`
+        adds the sum into ``.grad`` just before the last micro-batch's backward, whose all-reduce
+        then carries the whole rollout's gradient. FSDP2 modules get a real backward with gradient
+        synchronisation off instead (their gradients accumulate unsharded until the last one).
+        """
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer is not None else None
+        if scaler is not None:  # fp16 AMP scales the loss Lightning backpropagates: scale ours alike
+            loss = scaler.scale(loss)
+        if hasattr(self.policy, "set_requires_gradient_sync"):
+            self.policy.set_requires_gradient_sync(False)
+            try:
+                loss.backward()
+            finally:
+                self.policy.set_requires_gradient_sync(True)
+            return
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        if self._grad_stash is None:
+            self._grad_stash = list(grads)
+        else:
+            self._grad_stash = [s if g is None else g if s is None else s.add_(g)
+                                for s, g in zip(self._grad_stash, grads)]
+
+    def on_before_backward(self, loss: Tensor) -> None:
+        if self._grad_stash is None:
+            return
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        for p, g in zip(params, self._grad_stash):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        self._grad_stash = None
 
     @property
     def world_size(self) -> int:

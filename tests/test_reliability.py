@@ -401,11 +401,13 @@ def ddp_fixed(tmp_path_factory, tiny_model_dir, _cache_dir):
     env = _env(_cache_dir)
     out = {}
     procs = []
-    for name, devices, batch in (("single", 1, 2 * DDP_B), ("ddp", 2, DDP_B)):
+    runs = (("single", 1, 2 * DDP_B, []), ("ddp", 2, DDP_B, []),
+            ("ddp_micro", 2, DDP_B, ["--micro-batch-size", "5"]))  # 16 rows per rank: 5 + 5 + 5 + 1
+    for name, devices, batch, extra in runs:
         root = tmp_path_factory.mktemp(f"fixed_{name}")
         cmd = [sys.executable, FIXED_ROLLOUT_SCRIPT, "--model", tiny_model_dir, "--out", str(root / "out"),
                "--devices", str(devices), "--batch-size", str(batch), "--steps", str(DDP_STEPS),
-               "--num-train-rows", str(DDP_ROWS)]
+               "--num-train-rows", str(DDP_ROWS), *extra]
         procs.append(_Proc(name, cmd, root, env))
         out[name] = root / "out"
     _wait_all(*procs)
@@ -445,11 +447,13 @@ def test_ddp_ranks_keep_unequal_numbers_of_rows_at_step_1(ddp_fixed):
     assert kept[0][1] + kept[1][1] == single[1] < 8 * DDP_B
 
 
-def test_ddp_gradient_equals_single_process_gradient(ddp_fixed):
+@pytest.mark.parametrize("run", ["ddp", "ddp_micro"])
+def test_ddp_gradient_equals_single_process_gradient(ddp_fixed, run):
+    """Also with ``micro_batch_size``: each rank's rollout in 4 forward/backward passes, one all-reduce."""
     for step in range(DDP_STEPS):
         single = torch.load(ddp_fixed["single"] / f"grads_rank0_step{step}.pt")
-        g0 = torch.load(ddp_fixed["ddp"] / f"grads_rank0_step{step}.pt")
-        g1 = torch.load(ddp_fixed["ddp"] / f"grads_rank1_step{step}.pt")
+        g0 = torch.load(ddp_fixed[run] / f"grads_rank0_step{step}.pt")
+        g1 = torch.load(ddp_fixed[run] / f"grads_rank1_step{step}.pt")
         assert single.keys() == g0.keys() == g1.keys() and len(single) > 0
         _assert_same_tensors(g0, g1, f"rank 0 vs rank 1 all-reduced gradient, step {step}")
         assert any(g.abs().max() > 1e-3 for g in single.values())  # a real gradient, not ~0
@@ -457,7 +461,7 @@ def test_ddp_gradient_equals_single_process_gradient(ddp_fixed):
                if not torch.allclose(single[n], g0[n], rtol=1e-5, atol=1e-6)}
         assert not bad, f"step {step}: DDP gradient != single-process gradient: {bad}"
     # and so are the weights after the SGD steps
-    w = [torch.load(ddp_fixed[k] / f"weights_rank{r}.pt") for k, r in (("single", 0), ("ddp", 0), ("ddp", 1))]
+    w = [torch.load(ddp_fixed[k] / f"weights_rank{r}.pt") for k, r in (("single", 0), (run, 0), (run, 1))]
     _assert_same_tensors(w[1], w[2], "final weights, rank 0 vs rank 1")
     for name in w[0]:
         torch.testing.assert_close(w[1][name], w[0][name], rtol=1e-5, atol=1e-6)

@@ -1,6 +1,6 @@
 """Train a few steps on FIXED rollouts, single-process or DDP (gloo, CPU), and save what is needed to compare.
 
-    python ddp_fixed_rollout.py --model DIR --out DIR --devices 2 --batch-size 4 [--steps 2]
+    python ddp_fixed_rollout.py --model DIR --out DIR --devices 2 --batch-size 4 [--steps 2] [--micro-batch-size 3]
 
 The completions are a deterministic function of (prompt text, sample index) -- token ids from a
 ``torch.Generator`` seeded by a SHA-256 of the prompt -- and the reward is the task's own
@@ -121,6 +121,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--num-train-rows", type=int, default=64)
+    parser.add_argument("--micro-batch-size", type=int, default=None)
     parser.add_argument("--drop-from-step", type=int, default=1, help="DropRows from this step on")
     args = parser.parse_args()
     out = Path(args.out)
@@ -131,7 +132,7 @@ def main() -> None:
     lr = args.lr
     module = FixedRolloutRLOO(
         args.model, reward_funcs=["rloo_lightning.tasks.reverse.reward"], k=4, beta=0.05, max_new_tokens=6,
-        warmup_ratio=0.0, validate_at_start=False, out=str(out),
+        warmup_ratio=0.0, validate_at_start=False, out=str(out), micro_batch_size=args.micro_batch_size,
         optimizer=lambda params: torch.optim.SGD(params, lr=lr),
     )
     data = PromptDataModule(tokenizer_name_or_path=args.model, task="reverse", batch_size=args.batch_size,
