@@ -253,11 +253,15 @@ class RLOOModule(LightningModule):
 
     @property
     def reference(self) -> torch.nn.Module | None:
-        """The frozen reference policy on this module's device (None when beta == 0)."""
+        """The frozen reference policy on this module's device, in the policy's dtype (None when beta == 0)."""
         if self._ref is None:
             return None
-        if next(self._ref.model.parameters()).device != self.device:
-            self._ref.model.to(self.device)
+        ref, policy = next(self._ref.model.parameters()), next(self.policy.parameters())
+        if ref.device != self.device or ref.dtype != policy.dtype:
+            # Follow the policy: Lightning moves it (and casts it under ``bf16-true``) after
+            # configure_model, and never sees the unregistered reference. Same dtype, so that
+            # KL = 0 at step 0 and one precision's rounding does not show up as KL.
+            self._ref.model.to(device=self.device, dtype=policy.dtype)
         return self._ref.model
 
     def configure_callbacks(self):
