@@ -44,6 +44,7 @@ from rloo_lightning.objectives import (
     sequence_kl,
     token_logprobs,
 )
+from rloo_lightning.variants import MovingAverageBaseline, baseline_advantages
 
 __all__ = [
     "Toy",
@@ -318,37 +319,32 @@ def _leak_one_pad(mask: Tensor) -> Tensor:
 
 
 def _moving_average_baseline(rewards: Tensor, batch: int, decay: float) -> Tensor:
-    """``[n]`` EMA of earlier minibatches' mean reward (bias-corrected; 0 for the first minibatch).
+    """``[n]`` baseline of each minibatch: ``variants.MovingAverageBaseline`` stepped once per minibatch.
 
-    The baseline of minibatch ``m`` depends only on minibatches ``< m``, which are independent of
-    it, so it adds no bias; successive draws stay uncorrelated (a martingale-difference sequence),
-    so the z-test's variance estimate remains valid.
+    The baseline of minibatch ``m`` is the bias-corrected EMA of minibatches ``< m``' mean reward
+    (0 for the first); those are independent of it, so it adds no bias, and successive draws stay
+    uncorrelated (a martingale-difference sequence), so the z-test's variance estimate remains valid.
     """
-    means = rewards.detach().view(-1, batch).mean(1).tolist()
-    out, ema = [], 0.0
-    for m, value in enumerate(means):
-        out.append(ema / (1.0 - decay**m) if m > 0 else 0.0)
-        ema = decay * ema + (1.0 - decay) * value
+    ema = MovingAverageBaseline(decay)
+    out = []
+    for chunk in rewards.detach().view(-1, batch):
+        out.append(ema.value)
+        ema.update(chunk)
     return torch.tensor(out, dtype=rewards.dtype)
 
 
 def _advantages(rewards: Tensor, k: int, batch: int, baseline: Baseline, ema_decay: float, eps: float) -> Tensor:
     """``[R]`` advantages from shaped rewards ``[R]`` (groups of ``k`` contiguous rows)."""
     if baseline == "leave_one_out":
-        return leave_one_out_advantages(rewards, k)  # the project's function (paper Eq. 4)
-    if baseline == "none":
-        return rewards
+        return leave_one_out_advantages(rewards, k)  # the project's function (paper Eq. 4), patchable here
     if baseline == "moving_average":
         return rewards - _moving_average_baseline(rewards, batch, ema_decay).repeat_interleave(batch)
-    groups = rewards.view(-1, k)
-    if baseline == "group_mean_std":  # GRPO: self-inclusive mean, divided by the (Bessel) group std
-        centred = groups - groups.mean(1, keepdim=True)
-        return (centred / (groups.std(1, keepdim=True) + eps)).reshape(-1)
-    if baseline == "group_mean":  # self-inclusive mean, no rescale: (k-1)/k times the LOO advantage
-        return (groups - groups.mean(1, keepdim=True)).reshape(-1)
     if baseline == "group_max":  # deliberate bug: a baseline that depends on y_i non-linearly
+        groups = rewards.view(-1, k)
         return (groups - groups.max(1, keepdim=True).values).reshape(-1)
-    raise ValueError(f"unknown baseline {baseline!r}")
+    # The project's variants: none, group_mean_std (GRPO: Bessel std), group_mean (self-inclusive
+    # mean, no rescale: (k-1)/k times the LOO advantage).
+    return baseline_advantages(rewards, k, baseline, eps=eps)
 
 
 def minibatch_gradients(
