@@ -48,6 +48,22 @@ class _Frozen:
         self.model = model.eval().requires_grad_(False)
 
 
+def _lora_config(options: dict):
+    """``peft.LoraConfig`` for a causal LM from the ``lora`` option, with errors that name it."""
+    if not isinstance(options, dict) or not options:
+        raise ValueError(f"lora must be a non-empty mapping of peft.LoraConfig arguments, got {options!r}")
+    try:
+        from peft import LoraConfig
+    except ImportError as err:
+        raise ImportError("the lora option needs peft: pip install 'rloo-lightning[lora]'") from err
+    if "task_type" in options:
+        raise ValueError("lora: task_type is set by RLOOModule (CAUSAL_LM); remove it")
+    try:
+        return LoraConfig(task_type="CAUSAL_LM", **options)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"lora={options!r} is not a valid peft.LoraConfig: {err}") from err
+
+
 class RLOOModule(LightningModule):
     """RLOO (Ahmadian et al. 2024) for a Hugging Face causal LM.
 
@@ -114,6 +130,14 @@ class RLOOModule(LightningModule):
             sequence KL of every completion is needed before any advantage exists). Lightning's
             ``accumulate_grad_batches=n`` is different and composes with it: n rollouts (each
             sampled from the same, not yet updated policy, so still on-policy) per optimizer step.
+        lora: train a LoRA adapter (``peft``, ``pip install rloo-lightning[lora]``) instead of the whole
+            policy: the keyword arguments of ``peft.LoraConfig``, e.g. ``{r: 16, lora_alpha: 32,
+            target_modules: all-linear}`` (``task_type`` is set here). The reference policy is then
+            the base model with the adapter disabled, so only one copy of the base weights is
+            resident; checkpoints hold the adapter (and optimizer state) only. None = full training.
+        lora_export: what :meth:`save_pretrained` (and ``HFExport``) writes for a LoRA policy:
+            ``merged`` (the base with the adapter merged in: a plain model) or ``adapter`` (the
+            adapter alone, loadable with ``peft.PeftModel.from_pretrained``).
         on_nonfinite: what a NaN/inf loss or gradient does: ``stop`` raises :class:`NonFiniteError`
             (naming the step and the rollout statistics that led to it) before the optimizer step,
             so no poisoned weights reach a checkpoint; ``skip`` drops that update (no parameter or
@@ -157,6 +181,8 @@ class RLOOModule(LightningModule):
         stop_strings: list[str] | None = None,
         gradient_checkpointing: bool = False,
         micro_batch_size: int | None = None,
+        lora: dict | None = None,
+        lora_export: Literal["merged", "adapter"] = "merged",
         on_nonfinite: Literal["stop", "skip"] = "stop",
         gguf_file: str | None = None,
         trust_remote_code: bool = False,
@@ -185,6 +211,10 @@ class RLOOModule(LightningModule):
             raise ValueError(f"reward_clip must be [low, high] with low < high, got {reward_clip}")
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1 (sequences per forward/backward) or None, got {micro_batch_size}")
+        if lora is not None:
+            _lora_config(lora)  # peft missing or a wrong key fails now, before any model is loaded
+        if lora_export not in ("merged", "adapter"):
+            raise ValueError(f"lora_export must be 'merged' or 'adapter', got {lora_export!r}")
         if on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}")
         if stop_strings is not None and (not stop_strings or not all(stop_strings)):
@@ -215,15 +245,26 @@ class RLOOModule(LightningModule):
         if self.policy is not None:
             return
         from rloo_lightning.models import load_causal_lm, load_tokenizer
+        from rloo_lightning.sharding import is_zero3, pretrained_init_context, replicated_init_context, shard_policy
 
         hp = self.hparams
+        strategy = self._trainer.strategy if self._trainer is not None else None
         self.tokenizer = load_tokenizer(hp.model_name_or_path, gguf_file=hp.gguf_file,
                                         trust_remote_code=hp.trust_remote_code)
-        self.policy = load_causal_lm(hp.model_name_or_path, gguf_file=hp.gguf_file,
-                                     trust_remote_code=hp.trust_remote_code)
-        if hp.beta > 0:
+        load = dict(gguf_file=hp.gguf_file, trust_remote_code=hp.trust_remote_code)
+        with pretrained_init_context(strategy):  # ZeRO-3: loaded into its partitions; else a no-op
+            self.policy = load_causal_lm(hp.model_name_or_path, **load)
+        if hp.beta > 0 and not hp.lora:
             # The reference is the initial policy: a copy, not a second load (a GGUF load dequantizes).
-            self._ref = _Frozen(copy.deepcopy(self.policy))
+            # Under LoRA it is the same model with the adapter disabled (see reference_logprobs).
+            # Sharded strategies: the copy is made BEFORE the policy is sharded (FSDP2 below, FSDP in
+            # strategy.setup), so the reference is a whole frozen replica on every rank, never wrapped.
+            # ZeRO-3 partitions the policy as it loads, so there the reference is loaded again, whole.
+            if is_zero3(strategy):
+                with replicated_init_context(strategy):
+                    self._ref = _Frozen(load_causal_lm(hp.model_name_or_path, **load))
+            else:
+                self._ref = _Frozen(copy.deepcopy(self.policy))
         if hp.gradient_checkpointing:
             # Non-reentrant: works with inputs that need no grad and with DDP; only active in train mode.
             kwargs = {"use_reentrant": False}
@@ -231,6 +272,10 @@ class RLOOModule(LightningModule):
                 self.policy.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
                 self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if hp.lora:
+            from peft import get_peft_model
+
+            self.policy = get_peft_model(self.policy, _lora_config(hp.lora))
         # from_pretrained returns eval mode and Lightning does not call .train(): set it.
         self.policy.train()
         if hp.disable_dropout:
@@ -238,6 +283,10 @@ class RLOOModule(LightningModule):
                 for m in model.modules() if model is not None else ():
                     if isinstance(m, torch.nn.Dropout):
                         m.p = 0.0
+        if self.device_mesh is not None:
+            # ModelParallelStrategy: FSDP2 on the policy alone (each decoder layer, then the root), over the
+            # data-parallel mesh; the reference above was copied before this and stays whole.
+            shard_policy(self.policy, self.device_mesh)
         self.eos_token_ids = hp.eos_token_ids or default_eos_ids(self.tokenizer, self.policy.generation_config)
         common = dict(max_new_tokens=hp.max_new_tokens, eos_token_ids=self.eos_token_ids,
                       pad_token_id=self.tokenizer.pad_token_id, stop_strings=hp.stop_strings)
@@ -246,7 +295,8 @@ class RLOOModule(LightningModule):
         self.greedy_config = sampling_config(**common, do_sample=False)
         for fn in self.rewards.funcs:
             if isinstance(fn, RewardModel):
-                fn.load()  # a wrong reward model (e.g. several labels) fails before training starts
+                with replicated_init_context(strategy):  # ZeRO-3: built whole, outside zero.Init
+                    fn.load()  # a wrong reward model (e.g. several labels) fails before training starts
 
     def teardown(self, stage: str) -> None:
         self.rewards.close()
@@ -263,6 +313,23 @@ class RLOOModule(LightningModule):
             # KL = 0 at step 0 and one precision's rounding does not show up as KL.
             self._ref.model.to(device=self.device, dtype=policy.dtype)
         return self._ref.model
+
+    @property
+    def has_reference(self) -> bool:
+        """True when a KL term is computed (beta > 0 at construction)."""
+        return self._ref is not None or bool(self.hparams.lora and self.hparams.beta > 0)
+
+    @torch.no_grad()
+    def reference_logprobs(self, rollout: Rollout, chunks: list[slice]) -> Tensor:
+        """``[B, T]`` log-probs of the completions under the reference, ``chunks`` rows at a time.
+
+        Under LoRA the reference is the policy with its adapter disabled (``peft``'s
+        ``disable_adapter``), which is exactly the initial policy because the adapter starts at 0.
+        """
+        if self._ref is not None:
+            return torch.cat([self.sequence_logprobs(self.reference, rollout, rows)[0] for rows in chunks])
+        with self.policy.disable_adapter():
+            return torch.cat([self.sequence_logprobs(self.policy, rollout, rows)[0] for rows in chunks])
 
     def configure_callbacks(self):
         from rloo_lightning.callbacks import ValidateAtStart
@@ -289,11 +356,16 @@ class RLOOModule(LightningModule):
 
     def rollout(self, batch: dict, k: int, seed: int, greedy: bool = False) -> Rollout:
         """Sample ``k`` completions per prompt of ``batch`` from the policy."""
-        return generate_rollout(
-            self.policy, self.tokenizer, batch["input_ids"], batch["attention_mask"],
-            batch["prompt"], batch["columns"], k,
-            self.greedy_config if greedy else self.generation_config, seed,
-        )
+        from rloo_lightning.sharding import gathered_for_generation
+
+        # Sharded policies (FSDP2, FSDP, ZeRO-3): parameters gathered once for the whole generate call, so that
+        # ranks stopping at different lengths issue no collectives (no deadlock); a no-op otherwise.
+        with gathered_for_generation(self.policy, self._trainer.strategy if self._trainer is not None else None):
+            return generate_rollout(
+                self.policy, self.tokenizer, batch["input_ids"], batch["attention_mask"],
+                batch["prompt"], batch["columns"], k,
+                self.greedy_config if greedy else self.generation_config, seed,
+            )
 
     def micro_batches(self, num_sequences: int) -> list[slice]:
         """Row slices of a rollout for the forward/backward passes (``micro_batch_size`` rows each)."""
@@ -396,16 +468,15 @@ class RLOOModule(LightningModule):
         if len(chunks) == 1:
             logp, entropy = self.sequence_logprobs(self.policy, rollout, with_entropy=True)
             policy_logp = logp.detach()
-        elif self.reference is not None:
+        elif self.has_reference:
             with torch.no_grad():
                 policy_logp = torch.cat([self.sequence_logprobs(self.policy, rollout, rows)[0] for rows in chunks])
 
         # 4. KL k1 on the sequence, detached, folded into the reward *before* the baseline:
         #    R = r - beta * log pi(y)/pi_ref(y) (paper Sec. 2.3), unbiased for E[r] - beta*KL.
         rollout.shaped_rewards = rollout.rewards
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logp = torch.cat([self.sequence_logprobs(self.reference, rollout, rows)[0] for rows in chunks])
+        if self.has_reference:
+            ref_logp = self.reference_logprobs(rollout, chunks)
             rollout.token_kl = (policy_logp - ref_logp) * mask
             rollout.kl = sequence_kl(policy_logp, ref_logp, mask)
             rollout.shaped_rewards = rollout.rewards - self.beta * rollout.kl
@@ -530,11 +601,26 @@ class RLOOModule(LightningModule):
         rank_zero_warn(message + " (on_nonfinite=skip: update dropped)")
         self.log("train/skipped_steps", float(self.skipped_steps))
 
+    def _frozen_base_keys(self) -> set[str]:
+        """State-dict keys of the frozen base weights under LoRA (none otherwise)."""
+        if not self.hparams.lora:
+            return set()
+        # From the state dict, not named_parameters: a tied lm_head is a key of its own there.
+        return {f"policy.{n}" for n, t in self.policy.state_dict(keep_vars=True).items() if not t.requires_grad}
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["rloo_skipped_steps"] = self.skipped_steps
+        # LoRA: the base weights are the model on disk; the checkpoint holds the adapter only.
+        for key in self._frozen_base_keys():
+            checkpoint["state_dict"].pop(key, None)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.skipped_steps = checkpoint.get("rloo_skipped_steps", 0)
+        base = self._frozen_base_keys()  # configure_model has run: these are the base model's weights
+        if base:
+            current = self.state_dict()
+            for key in base - checkpoint["state_dict"].keys():
+                checkpoint["state_dict"][key] = current[key]
 
     def on_before_optimizer_step(self, optimizer) -> None:
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
@@ -613,14 +699,24 @@ class RLOOModule(LightningModule):
 
     # -- export --------------------------------------------------------------------------------
     def save_pretrained(self, directory: str) -> None:
-        """Write the policy and tokenizer in Hugging Face format (``from_pretrained`` loads it)."""
+        """Write the policy and tokenizer in Hugging Face format (``from_pretrained`` loads it).
+
+        A LoRA policy is written merged into its base or as the adapter alone (``lora_export``).
+        """
         model = self.policy
+        if self.hparams.lora and self.hparams.lora_export == "adapter":
+            model.save_pretrained(directory)  # adapter_config.json + adapter weights
+            self.tokenizer.save_pretrained(directory)
+            return
+        if self.hparams.lora:
+            model = copy.deepcopy(model).merge_and_unload()
         if self.hparams.gguf_file:
             # A GGUF-loaded model refuses save_pretrained: rebuild it from its config, copy the weights in.
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_config(self.policy.config)
-            model.load_state_dict(self.policy.state_dict())
+            rebuilt = AutoModelForCausalLM.from_config(model.config)
+            rebuilt.load_state_dict(model.state_dict())
+            model = rebuilt
         model.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
 

@@ -201,10 +201,12 @@ def generate_rollout(
     prompt_ids = input_ids.repeat_interleave(k, dim=0)
     prompt_mask = attention_mask.repeat_interleave(k, dim=0)
     devices = [input_ids.device] if input_ids.device.type == "cuda" else []
-    was_training, shipped = model.training, model.generation_config
+    # A peft wrapper generates with its base model's generation_config.
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    was_training, shipped = model.training, base.generation_config
     # transformers fills every unset field of our config from the model's shipped one (min_p,
     # suppress_tokens, ... would truncate the sampler); an empty one leaves nothing to merge.
-    model.generation_config = GenerationConfig()
+    base.generation_config = GenerationConfig()
     model.eval()
     try:
         with torch.random.fork_rng(devices=devices):
@@ -215,7 +217,7 @@ def generate_rollout(
             )
     finally:
         model.train(was_training)
-        model.generation_config = shipped
+        base.generation_config = shipped
     completion_ids = out[:, prompt_ids.shape[1] :]
     eos = generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos)
