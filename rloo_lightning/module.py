@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Literal
 
 import torch
@@ -12,20 +13,26 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from rloo_lightning.objectives import (
-    leave_one_out_advantages,
-    group_std,
-    masked_sum,
-    pass_at_k,
-    policy_loss,
-    sequence_kl,
-    token_entropy,
-    token_logprobs,
-)
+from rloo_lightning.objectives import group_std, masked_sum, pass_at_k, token_entropy, token_logprobs
 from rloo_lightning.rewards import RewardSet
 from rloo_lightning.rewards.model import RewardModel
 from rloo_lightning.rewards.shaping import clip_rewards, missing_eos_penalty, overlong_penalty
 from rloo_lightning.rollout import Rollout, default_eos_ids, derive_seed, generate_rollout, sampling_config
+from rloo_lightning.variants import (
+    AGGREGATION_MODES,
+    BASELINES,
+    KL_ESTIMATORS,
+    MovingAverageBaseline,
+    _check_choice,
+    aggregate_token_loss,
+    baseline_advantages,
+    kl_per_token,
+    mix_into_reference,
+    reward_to_go,
+    sequence_clipped_surrogate,
+    token_clipped_surrogate,
+    token_rewards_after_baseline,
+)
 
 __all__ = ["RLOOModule", "NonFiniteError", "warmup_constant_schedule"]
 
@@ -138,6 +145,50 @@ class RLOOModule(LightningModule):
         lora_export: what :meth:`save_pretrained` (and ``HFExport``) writes for a LoRA policy:
             ``merged`` (the base with the adapter merged in: a plain model) or ``adapter`` (the
             adapter alone, loadable with ``peft.PeftModel.from_pretrained``).
+        baseline: the baseline subtracted from the reward (step 5). ``leave_one_out`` (the paper:
+            mean of the other k-1 samples of the prompt); ``none`` (vanilla REINFORCE);
+            ``moving_average`` (REINFORCE with an exponential moving average of earlier batches'
+            mean reward, ``baseline_decay``; the paper's "REINFORCE w/ baseline"); ``group_mean_std``
+            (GRPO: ``(R - group mean) / (group std + 1e-4)``, biased); ``group_mean`` (Dr.GRPO:
+            the self-inclusive mean, = ``(k-1)/k`` x leave-one-out).
+        baseline_decay: weight of the past in the ``moving_average`` baseline.
+        kl_estimator: per-token KL estimate: ``k1`` = ``logp - ref_logp`` (the paper, TRL), ``k2`` =
+            ``(logp - ref_logp)^2 / 2``, ``k3`` = ``exp(ref_logp - logp) - (ref_logp - logp) - 1``
+            (Schulman 2020; GRPO, verl ``low_var_kl``). Only k1 keeps ``reward`` placement unbiased.
+        kl_placement: where ``beta * KL`` enters. ``reward``: the sequence sum subtracted from the
+            reward before the baseline (the paper, TRL; unbiased with k1). ``token_reward``
+            (OpenRLHF): the baseline on the task reward alone, then ``-beta*kl_t`` at every token and
+            the advantage at the last one, summed to go into token advantages. ``loss`` (GRPO,
+            verl ``use_kl_loss``): ``beta * KL`` with its gradient added to the loss, aggregated as
+            the loss is (use ``kl_estimator: k3`` to match them).
+        kl_clamp: clamp each per-token KL estimate to ``[-c, c]`` (OpenRLHF: 10); None = off.
+        loss_aggregation: how per-token terms become the loss (verl's ``loss_agg_mode`` in brackets):
+            ``seq_sum`` (the paper, TRL; verl ``seq-mean-token-sum``): sum over tokens, mean over
+            sequences; ``token_mean`` (verl default, OpenRLHF): mean over all tokens of the batch;
+            ``seq_mean_token_mean`` (original GRPO): mean over sequences of each one's token
+            mean; ``seq_mean_token_sum_norm`` (Dr.GRPO): token sum / (sequences x
+            ``loss_norm_constant``). All but ``seq_sum`` weigh sequences by length and bias the
+            sequence-level gradient; the denominators are global over ranks.
+        loss_norm_constant: the constant of ``seq_mean_token_sum_norm`` (default: ``max_new_tokens``).
+        normalize_rewards: standardise the rewards over the global batch before the baseline
+            (``(R - mean) / (std + 1e-4)``; TRL <= 0.21 / OpenRLHF ``normalize_reward`` style).
+        whiten_advantages: standardise the advantages over the global batch (TRL
+            ``normalize_advantages``). A rescale per batch: changes the step size, biased.
+        advantage_clip: ``[low, high]`` clip of the advantages after the baseline (OpenRLHF clips
+            at +-10); ``reward_clip`` clips before it. None = off.
+        updates_per_rollout: optimizer steps per rollout (TRL ``num_iterations``, verl
+            ``ppo_epochs``). 1 (default) is on-policy: no importance ratio, no clip. With n > 1 the
+            rollout is stored and the next n-1 steps update on it again with a clipped
+            importance-weighted surrogate (``clip_mode``); PromptDataModule repeats each batch n
+            times (the CLI links this option), and a checkpoint taken mid-way holds the rollout.
+        clip_mode: ``sequence`` (TRL: one ratio ``exp(sum_t logp - old_logp)`` per completion) or
+            ``token`` (verl / OpenRLHF: one ratio per token, aggregated by ``loss_aggregation``).
+        clip_eps_low, clip_eps_high: the clip range ``[1 - eps_low, 1 + eps_high]``.
+        dual_clip: verl's dual clip constant ``c > 1`` for negative advantages (``clip_mode: token``).
+        ref_sync_steps: every this many steps mix the policy into the reference (TR-DPO, TRL
+            ``sync_ref_model``): ``ref = alpha*policy + (1-alpha)*ref``. 0 = off (the paper: the
+            reference is the initial policy). The reference is then checkpointed too.
+        ref_sync_alpha: the ``alpha`` of ``ref_sync_steps`` (TRL ``ref_model_mixup_alpha``: 0.6).
         on_nonfinite: what a NaN/inf loss or gradient does: ``stop`` raises :class:`NonFiniteError`
             (naming the step and the rollout statistics that led to it) before the optimizer step,
             so no poisoned weights reach a checkpoint; ``skip`` drops that update (no parameter or
@@ -183,6 +234,24 @@ class RLOOModule(LightningModule):
         micro_batch_size: int | None = None,
         lora: dict | None = None,
         lora_export: Literal["merged", "adapter"] = "merged",
+        baseline: Literal["leave_one_out", "none", "moving_average", "group_mean_std", "group_mean"] = "leave_one_out",
+        baseline_decay: float = 0.9,
+        kl_estimator: Literal["k1", "k2", "k3"] = "k1",
+        kl_placement: Literal["reward", "token_reward", "loss"] = "reward",
+        kl_clamp: float | None = None,
+        loss_aggregation: Literal[
+            "seq_sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "seq_sum",
+        loss_norm_constant: float | None = None,
+        normalize_rewards: bool = False,
+        whiten_advantages: bool = False,
+        advantage_clip: tuple[float, float] | None = None,
+        updates_per_rollout: int = 1,
+        clip_mode: Literal["sequence", "token"] = "sequence",
+        clip_eps_low: float = 0.2,
+        clip_eps_high: float = 0.2,
+        dual_clip: float | None = None,
+        ref_sync_steps: int = 0,
+        ref_sync_alpha: float = 0.6,
         on_nonfinite: Literal["stop", "skip"] = "stop",
         gguf_file: str | None = None,
         trust_remote_code: bool = False,
@@ -210,11 +279,42 @@ class RLOOModule(LightningModule):
         if reward_clip is not None and not reward_clip[0] < reward_clip[1]:
             raise ValueError(f"reward_clip must be [low, high] with low < high, got {reward_clip}")
         if micro_batch_size is not None and micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1 (sequences per forward/backward) or None, got {micro_batch_size}")
+            raise ValueError(f"micro_batch_size must be >= 1 (sequences per forward/backward) or None, "
+                             f"got {micro_batch_size}")
         if lora is not None:
             _lora_config(lora)  # peft missing or a wrong key fails now, before any model is loaded
         if lora_export not in ("merged", "adapter"):
             raise ValueError(f"lora_export must be 'merged' or 'adapter', got {lora_export!r}")
+        _check_choice("baseline", baseline, BASELINES)
+        _check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
+        _check_choice("kl_placement", kl_placement, ("reward", "token_reward", "loss"))
+        _check_choice("loss_aggregation", loss_aggregation, AGGREGATION_MODES)
+        _check_choice("clip_mode", clip_mode, ("sequence", "token"))
+        if not 0 <= baseline_decay < 1:
+            raise ValueError(f"baseline_decay must be in [0, 1), got {baseline_decay}")
+        if kl_clamp is not None and kl_clamp <= 0:
+            raise ValueError(f"kl_clamp must be > 0 or None, got {kl_clamp}")
+        if loss_norm_constant is not None and loss_norm_constant <= 0:
+            raise ValueError(f"loss_norm_constant must be > 0 or None, got {loss_norm_constant}")
+        if advantage_clip is not None and not advantage_clip[0] < advantage_clip[1]:
+            raise ValueError(f"advantage_clip must be [low, high] with low < high, got {advantage_clip}")
+        if updates_per_rollout < 1:
+            raise ValueError(f"updates_per_rollout must be >= 1, got {updates_per_rollout}")
+        if clip_eps_low < 0 or clip_eps_high < 0 or clip_eps_low >= 1:
+            raise ValueError(f"clip_eps_low must be in [0, 1) and clip_eps_high >= 0, got {clip_eps_low}, "
+                             f"{clip_eps_high}")
+        if dual_clip is not None and (dual_clip <= 1 or clip_mode != "token"):
+            raise ValueError(f"dual_clip must be > 1 and needs clip_mode='token', got dual_clip={dual_clip}, "
+                             f"clip_mode={clip_mode!r}")
+        if updates_per_rollout > 1 and kl_placement == "token_reward" and clip_mode == "sequence":
+            raise ValueError("kl_placement='token_reward' gives token advantages; with updates_per_rollout > 1 "
+                             "use clip_mode='token'")
+        if ref_sync_steps < 0 or not 0 < ref_sync_alpha <= 1:
+            raise ValueError(f"ref_sync_steps must be >= 0 and ref_sync_alpha in (0, 1], got {ref_sync_steps}, "
+                             f"{ref_sync_alpha}")
+        if ref_sync_steps and (beta == 0 or lora):
+            raise ValueError("ref_sync_steps needs a reference of its own: beta > 0 and no lora (under LoRA the "
+                             "reference is the frozen base, which cannot move)")
         if on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}")
         if stop_strings is not None and (not stop_strings or not all(stop_strings)):
@@ -231,6 +331,10 @@ class RLOOModule(LightningModule):
         self._ref: _Frozen | None = None
         self.skipped_steps = 0
         self._grad_stash: list[Tensor | None] | None = None  # micro-batch gradients awaiting the backward
+        self._stored_rollout: Rollout | None = None  # updates_per_rollout > 1: the rollout being reused
+        self._rollout_updates = 0
+        self._warned_reuse = False
+        self._moving_average = MovingAverageBaseline(baseline_decay) if baseline == "moving_average" else None
         self._last_stats: dict[str, float] = {}
         # The KL coefficient in use; a buffer so that an adaptive controller's value is checkpointed.
         self.register_buffer("beta", torch.tensor(float(beta)))
@@ -437,73 +541,185 @@ class RLOOModule(LightningModule):
 
     # -- training ------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
-        # 1. Rollout: k samples per prompt from pi_theta itself (explicit sampler, seeded by step).
-        rollout = self.rollout(batch, self.hparams.k, self.sampling_seed("train", self.global_step))
-        # 2. Rewards: weighted sum of the reward functions (NaN = missing), then the optional shaping.
-        self.score(rollout)
-        self.shape_rewards(rollout)
+        hp = self.hparams
+        if self._reusable_rollout(batch) is not None:
+            # updates_per_rollout > 1: another update on the stored rollout (ratio + clip, step 6).
+            rollout = self._stored_rollout
+        else:
+            # 1. Rollout: k samples per prompt from pi_theta itself (explicit sampler, seeded by step).
+            rollout = self.rollout(batch, hp.k, self.sampling_seed("train", self.global_step))
+            # 2. Rewards: weighted sum of the reward functions (NaN = missing), then the optional shaping.
+            self.score(rollout)
+            self.shape_rewards(rollout)
         # 3.-6. Log-probs, KL, advantages, loss.
         loss, entropy = self.rollout_loss(rollout)
+        if hp.updates_per_rollout > 1:
+            self._stored_rollout, self._rollout_updates = rollout, self._rollout_updates + 1
         self._last_stats = self._log_train_metrics(rollout, rollout.advantages, entropy, loss)
         if not self._finite_everywhere(loss):
             self._on_nonfinite("loss")
             return None  # every rank skips together: no backward, no optimizer step
         return loss
 
+    def _reusable_rollout(self, batch: dict) -> Rollout | None:
+        """The stored rollout if it has updates left (``updates_per_rollout``), else None."""
+        if self._stored_rollout is None or self._rollout_updates >= self.hparams.updates_per_rollout:
+            self._stored_rollout, self._rollout_updates = None, 0
+            return None
+        stored = self._stored_rollout
+        if list(batch["prompt"]) != stored.prompts[:: stored.k] and not self._warned_reuse:
+            self._warned_reuse = True
+            rank_zero_warn("updates_per_rollout > 1: this batch's prompts are not the stored rollout's and are "
+                           "skipped; PromptDataModule repeats each batch updates_per_rollout times (the CLI links it)")
+        return stored
+
     def rollout_loss(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
         """Steps 3-6 of a training step on a scored rollout; returns the loss and per-token entropy ``[B, T]``.
 
         Separate from :meth:`training_step` so that a fixed rollout can be injected (tests, DDP checks).
+        A stored rollout's later updates (``updates_per_rollout > 1``) only go through step 6.
         """
         hp = self.hparams
         mask = rollout.completion_mask
         chunks = self.micro_batches(mask.shape[0])
         self._grad_stash = None
+        fresh = rollout.old_logp is None  # set after the first of several updates on one rollout
 
         # 3. Log-probs of the completion: policy with grad, reference without, same temperature.
         #    Micro-batched, the KL of step 4 needs every sequence's log-prob before any loss can be
-        #    formed, so the policy runs here without grad (only if there is a KL) and again with
+        #    formed, so the policy runs here without grad (only if that is needed) and again with
         #    grad, one micro-batch at a time, in step 6.
-        logp = entropy = None
+        logp = entropy = policy_logp = None
         if len(chunks) == 1:
             logp, entropy = self.sequence_logprobs(self.policy, rollout, with_entropy=True)
             policy_logp = logp.detach()
-        elif self.has_reference:
+        elif fresh and (self.has_reference or hp.updates_per_rollout > 1):
             with torch.no_grad():
                 policy_logp = torch.cat([self.sequence_logprobs(self.policy, rollout, rows)[0] for rows in chunks])
 
-        # 4. KL k1 on the sequence, detached, folded into the reward *before* the baseline:
+        if fresh:
+            self._advantages(rollout, policy_logp, chunks)
+
+        # 6. Sequence-level REINFORCE: -mean_i A_i * sum_t m_t logp_t over the kept sequences
+        #    (loss_aggregation, kl_placement and updates_per_rollout change this; see _update_loss).
+        denominators = self._loss_denominators(rollout)
+        rollout.clip_stats = {}
+        if logp is not None:
+            loss = self._update_loss(rollout, slice(None), logp, denominators)
+        else:
+            loss, entropy = self._micro_batched_loss(rollout, chunks, denominators)
+        if fresh and hp.updates_per_rollout > 1:
+            rollout.old_logp = policy_logp  # pi_theta_old of the later updates on this rollout
+
+        if fresh:
+            self._call_rollout_hooks("on_rollout_end", rollout)
+        return loss, entropy
+
+    def _advantages(self, rollout: Rollout, policy_logp: Tensor | None, chunks: list[slice]) -> None:
+        """Steps 4-5: KL to the reference, reward transforms, the baseline; fills the rollout's fields."""
+        hp = self.hparams
+        mask = rollout.completion_mask
+
+        # 4. KL on the sequence (k1 by default), detached, folded into the reward *before* the baseline:
         #    R = r - beta * log pi(y)/pi_ref(y) (paper Sec. 2.3), unbiased for E[r] - beta*KL.
+        #    kl_placement moves it after the baseline (OpenRLHF) or into the loss (GRPO/verl).
         rollout.shaped_rewards = rollout.rewards
         if self.has_reference:
-            ref_logp = self.reference_logprobs(rollout, chunks)
-            rollout.token_kl = (policy_logp - ref_logp) * mask
-            rollout.kl = sequence_kl(policy_logp, ref_logp, mask)
-            rollout.shaped_rewards = rollout.rewards - self.beta * rollout.kl
+            rollout.ref_logp = self.reference_logprobs(rollout, chunks)
+            rollout.token_kl = kl_per_token(policy_logp, rollout.ref_logp, hp.kl_estimator, hp.kl_clamp) * mask
+            rollout.kl = rollout.token_kl.sum(1)
+            if hp.kl_placement == "reward":
+                rollout.shaped_rewards = rollout.rewards - self.beta * rollout.kl
+        if hp.normalize_rewards:
+            rollout.shaped_rewards = self._global_standardize(rollout.shaped_rewards, shift_mean=True)
         rollout.keep = torch.ones_like(rollout.rewards, dtype=torch.bool)
         if hp.mask_truncated_completions:
             rollout.keep &= ~rollout.truncated
         self._call_rollout_hooks("on_rollout", rollout)
 
-        # 5. Leave-one-out advantages per prompt group: A_i = R_i - mean_{j != i} R_j.
+        # 5. Leave-one-out advantages per prompt group: A_i = R_i - mean_{j != i} R_j (``baseline``).
         #    Rows a callback dropped count as missing: out of the baseline, advantage 0.
         rewards = torch.where(rollout.keep, rollout.shaped_rewards, torch.full_like(rollout.rewards, torch.nan))
-        rollout.advantages = leave_one_out_advantages(rewards, hp.k)
+        batch_mean = None
+        if hp.baseline == "moving_average":  # every rank folds in the same global mean
+            valid = ~torch.isnan(rewards)
+            sums = self.reduce_across_ranks(torch.stack([torch.nan_to_num(rewards).sum(), valid.sum().float()]))
+            batch_mean = float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
+        advantages = baseline_advantages(rewards, hp.k, hp.baseline, moving_average=self._moving_average,
+                                         batch_mean=batch_mean)
+        if hp.advantage_clip is not None:
+            advantages = advantages.clamp(*hp.advantage_clip)
+        if hp.whiten_advantages:
+            advantages = torch.where(rollout.keep, self._global_standardize(
+                torch.where(rollout.keep, advantages, torch.full_like(advantages, torch.nan)), shift_mean=True),
+                torch.zeros_like(advantages))
+        rollout.advantages = advantages
+        if hp.kl_placement == "token_reward" and rollout.token_kl is not None:
+            # OpenRLHF: -beta*kl_t at every token, the advantage at the last one, summed to go (gamma = 1).
+            loss_mask = mask * rollout.keep[:, None]
+            rollout.token_advantages = reward_to_go(
+                token_rewards_after_baseline(advantages, rollout.token_kl, loss_mask, float(self.beta)), loss_mask)
 
-        # 6. Sequence-level REINFORCE: -mean_i A_i * sum_t m_t logp_t over the kept sequences.
-        num_sequences = self._kept_per_rank(rollout.keep)
-        if logp is not None:
-            loss = policy_loss(rollout.advantages, logp, mask, num_sequences=num_sequences)
-        else:
-            loss, entropy = self._micro_batched_loss(rollout, chunks, num_sequences)
+    def _loss_denominators(self, rollout: Rollout) -> dict:
+        """Global divisors of the loss (kept sequences / kept tokens over all ranks, per rank)."""
+        tokens = (rollout.completion_mask * rollout.keep[:, None]).sum()
+        tokens = self.reduce_across_ranks(tokens, "sum") / self.world_size
+        return {"num_sequences": self._kept_per_rank(rollout.keep), "num_tokens": tokens.clamp(min=1e-8),
+                "norm_constant": self.hparams.loss_norm_constant or self.hparams.max_new_tokens}
 
-        self._call_rollout_hooks("on_rollout_end", rollout)
-        return loss, entropy
+    def _update_loss(self, rollout: Rollout, rows: slice, logp: Tensor, denominators: dict) -> Tensor:
+        """Step 6 for the sequences ``rows`` of the rollout, given their log-probs ``[b, T]`` (with grad).
 
-    def _micro_batched_loss(self, rollout: Rollout, chunks: list[slice], num_sequences: Tensor) -> tuple[Tensor, Tensor]:
+        Default: the paper's ``-sum_i A_i sum_t m_t logp_t / S``. On a stored rollout's later
+        updates (``updates_per_rollout > 1``) a clipped importance-weighted surrogate replaces it;
+        on the first one the ratio would be exactly 1 and the surrogate's gradient is this one.
+        """
+        hp = self.hparams
+        mask = rollout.completion_mask[rows] * rollout.keep[rows, None]
+        token_adv = rollout.token_advantages
+        advantages = token_adv[rows] if token_adv is not None else rollout.advantages[rows, None]
+        mode = hp.loss_aggregation
+        if rollout.old_logp is None:
+            per_token = -advantages.detach() * logp
+            loss = aggregate_token_loss(per_token, mask, mode, **denominators)
+        elif hp.clip_mode == "sequence":  # TRL: one ratio per completion
+            per_sequence, stats = sequence_clipped_surrogate(rollout.advantages[rows], logp, rollout.old_logp[rows],
+                                                             mask, hp.clip_eps_low, hp.clip_eps_high)
+            loss = per_sequence.sum() / denominators["num_sequences"]
+            self._add_clip_stats(rollout, stats, mask.shape[0])
+        else:  # verl / OpenRLHF: one ratio per token, optional dual clip
+            per_token, stats = token_clipped_surrogate(advantages, logp, rollout.old_logp[rows], mask,
+                                                       hp.clip_eps_low, hp.clip_eps_high, hp.dual_clip)
+            loss = aggregate_token_loss(per_token, mask, mode, **denominators)
+            self._add_clip_stats(rollout, stats, mask.sum())
+        if hp.kl_placement == "loss" and rollout.ref_logp is not None:
+            # GRPO / verl use_kl_loss: beta * KL estimate with its gradient, aggregated like the loss.
+            kl = kl_per_token(logp, rollout.ref_logp[rows], hp.kl_estimator, hp.kl_clamp)
+            loss = loss + self.beta * aggregate_token_loss(kl, mask, mode, **denominators)
+        return loss
+
+    @staticmethod
+    def _add_clip_stats(rollout: Rollout, stats: dict, weight) -> None:
+        for name in ("clip_low", "clip_high", "clip_region", "ratio_mean"):
+            if name in stats:
+                s, c = rollout.clip_stats.get(name, (0.0, 0.0))
+                rollout.clip_stats[name] = (s + stats[name].detach() * weight, c + weight)
+
+    def _global_standardize(self, values: Tensor, shift_mean: bool) -> Tensor:
+        """``(x - mean) / (std + 1e-4)`` over the valid (non-NaN) values of every rank (Bessel std)."""
+        valid = ~torch.isnan(values)
+        x = torch.nan_to_num(values)
+        sums = self.reduce_across_ranks(torch.stack([x.sum(), (x * x).sum(), valid.sum().float()]))
+        n = sums[2].clamp(min=1)
+        mean = sums[0] / n
+        var = ((sums[1] - n * mean * mean) / (n - 1).clamp(min=1)).clamp(min=0)
+        out = (values - mean if shift_mean else values) / (var.sqrt() + 1e-4)
+        return torch.where(valid, out, values)
+
+    def _micro_batched_loss(self, rollout: Rollout, chunks: list[slice], denominators: dict) -> tuple[Tensor, Tensor]:
         """Step 6 one micro-batch at a time: the same loss and gradient as the whole rollout at once.
 
-        The loss is a sum over sequences divided by a count fixed beforehand, so it splits into a
+        The loss is a sum over sequences divided by counts fixed beforehand, so it splits into a
         sum of micro-batch losses. Every micro-batch but the last is differentiated here and its
         gradient held back (see :meth:`_backward_early`); the last one's loss is returned for
         Lightning's backward, plus the others' values (detached) so that the logged loss is the total.
@@ -512,7 +728,7 @@ class RLOOModule(LightningModule):
         for i, rows in enumerate(chunks):
             logp, entropy = self.sequence_logprobs(self.policy, rollout, rows, with_entropy=True)
             entropies.append(entropy)
-            loss = policy_loss(rollout.advantages[rows], logp, rollout.completion_mask[rows], num_sequences)
+            loss = self._update_loss(rollout, rows, logp, denominators)
             if i < len(chunks) - 1:
                 self._backward_early(loss)
                 earlier = earlier + loss.detach()
@@ -610,17 +826,38 @@ class RLOOModule(LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["rloo_skipped_steps"] = self.skipped_steps
+        if self._moving_average is not None:
+            checkpoint["rloo_moving_average"] = self._moving_average.state_dict()
+        if self._stored_rollout is not None and self._rollout_updates < self.hparams.updates_per_rollout:
+            # a checkpoint between two updates on one rollout: the resumed run goes on with it
+            checkpoint["rloo_rollout"] = {"updates": self._rollout_updates,
+                                          "fields": dataclasses.asdict(self._stored_rollout)}
+        if self.hparams.ref_sync_steps and self._ref is not None:
+            checkpoint["rloo_reference"] = self._ref.model.state_dict()  # it moves: keep it
         # LoRA: the base weights are the model on disk; the checkpoint holds the adapter only.
         for key in self._frozen_base_keys():
             checkpoint["state_dict"].pop(key, None)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.skipped_steps = checkpoint.get("rloo_skipped_steps", 0)
+        if self._moving_average is not None and "rloo_moving_average" in checkpoint:
+            self._moving_average.load_state_dict(checkpoint["rloo_moving_average"])
+        if "rloo_rollout" in checkpoint:
+            self._stored_rollout = Rollout(**checkpoint["rloo_rollout"]["fields"])
+            self._rollout_updates = checkpoint["rloo_rollout"]["updates"]
+        if "rloo_reference" in checkpoint and self._ref is not None:
+            self._ref.model.load_state_dict(checkpoint["rloo_reference"])
         base = self._frozen_base_keys()  # configure_model has run: these are the base model's weights
         if base:
             current = self.state_dict()
             for key in base - checkpoint["state_dict"].keys():
                 checkpoint["state_dict"][key] = current[key]
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        hp = self.hparams
+        if hp.ref_sync_steps and self.global_step % hp.ref_sync_steps == 0 and self.reference is not None:
+            # TR-DPO / TRL sync_ref_model: the reference trails the policy.
+            mix_into_reference(self.reference.parameters(), self.policy.parameters(), hp.ref_sync_alpha)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
@@ -653,6 +890,8 @@ class RLOOModule(LightningModule):
         }
         if rollout.kl is not None:
             sums["train/kl"] = (rollout.kl.sum(), ones.sum())
+        for name, (total, count) in (rollout.clip_stats or {}).items():
+            sums[f"train/{name}"] = (torch.as_tensor(total), torch.as_tensor(count))
         for name, values in rollout.scores.items():
             ok = ~torch.isnan(values)
             sums[f"train/score/{name}"] = (torch.nan_to_num(values).sum(), ok.sum())
