@@ -20,6 +20,8 @@ class RLOOCLI(LightningCLI):
         parser.link_arguments("model.max_new_tokens", "data.max_new_tokens")
         parser.link_arguments("model.trust_remote_code", "data.trust_remote_code")
         parser.link_arguments("model.gguf_file", "data.gguf_file")
+        # Rollout reuse: the data repeats each batch for the updates made on its rollout.
+        parser.link_arguments("model.updates_per_rollout", "data.repeat_batches")
 
 
 def main(args: list[str] | None = None) -> None:

@@ -115,6 +115,8 @@ class PromptDataModule(LightningDataModule):
         num_train_rows, num_val_rows: sizes of an embedded task's generated splits.
         seed: seeds the task's generation, the split and the shuffling.
         max_new_tokens: completion budget (linked from the module).
+        repeat_batches: yield each training batch this many times in a row (linked from the
+            module's ``updates_per_rollout``, whose later updates reuse the first one's rollout).
         trust_remote_code: executes code shipped with the tokenizer; off unless set.
     """
 
@@ -140,6 +142,7 @@ class PromptDataModule(LightningDataModule):
         num_val_rows: int = 200,
         seed: int = 0,
         max_new_tokens: int = 0,
+        repeat_batches: int = 1,
         trust_remote_code: bool = False,
     ) -> None:
         super().__init__()
@@ -147,6 +150,8 @@ class PromptDataModule(LightningDataModule):
             raise ValueError("PromptDataModule: give exactly one of `task` (embedded) or `train_file`")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if repeat_batches < 1:
+            raise ValueError(f"repeat_batches must be >= 1, got {repeat_batches}")
         if on_long_prompt not in ("error", "drop"):
             raise ValueError(f"on_long_prompt must be 'error' or 'drop', got {on_long_prompt!r}")
         if use_chat_template not in ("auto", True, False):
@@ -272,7 +277,7 @@ class PromptDataModule(LightningDataModule):
         trainer = self.trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         sampler = ResumableSampler(self.train_rows, num_replicas=world, rank=rank, seed=hp.seed,
-                                   batch_size=hp.batch_size,
+                                   batch_size=hp.batch_size, repeat=hp.repeat_batches,
                                    position=self._consumed_batches if trainer is not None else None)
         # drop_last: every rollout has batch_size prompts, so steps are alike.
         return DataLoader(self.train_rows, batch_size=hp.batch_size, sampler=sampler, drop_last=True,
@@ -302,13 +307,19 @@ class ResumableSampler(DistributedSampler):
 
     Args:
         batch_size: batches per epoch are ``len(self) // batch_size`` (``drop_last`` loaders).
+        repeat: each batch is yielded this many times in a row (rollout reuse); the position
+            counts the repeated batches.
     """
 
     def __init__(self, dataset, num_replicas: int = 1, rank: int = 0, seed: int = 0, batch_size: int = 1,
-                 position=None) -> None:
+                 position=None, repeat: int = 1) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
         self.batch_size = batch_size
         self.position = position
+        self.repeat = repeat
+
+    def __len__(self) -> int:
+        return (self.num_samples // self.batch_size) * self.batch_size * self.repeat
 
     def set_epoch(self, epoch: int) -> None:
         if self.position is None:
@@ -317,11 +328,15 @@ class ResumableSampler(DistributedSampler):
     def __iter__(self):
         skip = 0
         if self.position is not None:
-            per_epoch = max(1, self.num_samples // self.batch_size)
+            per_epoch = max(1, (self.num_samples // self.batch_size) * self.repeat)
             self.epoch, done = divmod(self.position(), per_epoch)
             skip = done * self.batch_size
+        order = list(super().__iter__())
+        b = self.batch_size
+        batches = [order[i : i + b] for i in range(0, len(order) - b + 1, b)]
+        order = [i for batch in batches for _ in range(self.repeat) for i in batch]
         # len() stays the full shard: Lightning numbers a resumed epoch's batches from its restored count.
-        return iter(list(super().__iter__())[skip:])
+        return iter(order[skip:])
 
 
 def collate_prompts(rows: list[dict], pad_token_id: int) -> dict:

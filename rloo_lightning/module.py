@@ -853,10 +853,13 @@ class RLOOModule(LightningModule):
             for key in base - checkpoint["state_dict"].keys():
                 checkpoint["state_dict"][key] = current[key]
 
-    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
         hp = self.hparams
-        if hp.ref_sync_steps and self.global_step % hp.ref_sync_steps == 0 and self.reference is not None:
-            # TR-DPO / TRL sync_ref_model: the reference trails the policy.
+        step = self.global_step
+        if hp.ref_sync_steps and step > 0 and step % hp.ref_sync_steps == 0 and self.reference is not None:
+            # TR-DPO / TRL sync_ref_model: the reference trails the policy. Done at the start of the
+            # step (= after the previous optimizer step), so a checkpoint written at the end of the
+            # previous step and a run resumed from it mix at the same point.
             mix_into_reference(self.reference.parameters(), self.policy.parameters(), hp.ref_sync_alpha)
 
     def on_before_optimizer_step(self, optimizer) -> None:
