@@ -283,6 +283,18 @@ class PromptDataModule(LightningDataModule):
         return DataLoader(self.train_rows, batch_size=hp.batch_size, sampler=sampler, drop_last=True,
                           collate_fn=self._collate())
 
+    def sample_batch(self, num_prompts: int, seed: int) -> dict:
+        """``num_prompts`` training prompts drawn without replacement by a generator seeded with ``seed``.
+
+        For dynamic sampling's extra rounds: a pure function of the seed, which the module derives
+        from (seed, rank, step, round), so a resumed run draws what an uninterrupted one would.
+        """
+        if not self.train_rows:
+            raise RuntimeError("PromptDataModule.sample_batch called before setup('fit')")
+        generator = torch.Generator().manual_seed(seed)
+        picks = torch.randperm(len(self.train_rows), generator=generator)[:num_prompts].tolist()
+        return self._collate()([self.train_rows[i] for i in picks])
+
     def _consumed_batches(self) -> int:
         """Training batches this rank has consumed: optimizer steps x accumulation (restored on resume)."""
         return self.trainer.global_step * self.trainer.accumulate_grad_batches

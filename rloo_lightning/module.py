@@ -17,7 +17,14 @@ from rloo_lightning.objectives import group_std, masked_sum, pass_at_k, token_en
 from rloo_lightning.rewards import RewardSet
 from rloo_lightning.rewards.model import RewardModel
 from rloo_lightning.rewards.shaping import clip_rewards, missing_eos_penalty, overlong_penalty
-from rloo_lightning.rollout import Rollout, default_eos_ids, derive_seed, generate_rollout, sampling_config
+from rloo_lightning.rollout import (
+    Rollout,
+    concat_groups,
+    default_eos_ids,
+    derive_seed,
+    generate_rollout,
+    sampling_config,
+)
 from rloo_lightning.variants import (
     AGGREGATION_MODES,
     BASELINES,
@@ -26,6 +33,7 @@ from rloo_lightning.variants import (
     _check_choice,
     aggregate_token_loss,
     baseline_advantages,
+    informative_groups,
     kl_per_token,
     mix_into_reference,
     reward_to_go,
@@ -185,6 +193,17 @@ class RLOOModule(LightningModule):
             ``token`` (verl / OpenRLHF: one ratio per token, aggregated by ``loss_aggregation``).
         clip_eps_low, clip_eps_high: the clip range ``[1 - eps_low, 1 + eps_high]``.
         dual_clip: verl's dual clip constant ``c > 1`` for negative advantages (``clip_mode: token``).
+        dynamic_sampling: DAPO's dynamic sampling (Yu et al. 2025; OpenRLHF ``dynamic_filtering``,
+            verl ``filter_groups``): a prompt group whose task rewards are all equal has zero
+            advantages and adds no gradient; draw more prompts (the data module's
+            ``sample_batch``) until the batch has ``batch_size`` groups whose rewards differ, and
+            train on those. Every rank runs the same number of rounds (generation stays
+            synchronised); extra prompts come from a generator seeded by (seed, rank, step,
+            round), so a resume draws the same ones. Off by default: it changes which prompts the
+            gradient averages over (biased toward hard-but-solvable prompts, as intended by DAPO).
+        dynamic_sampling_max_rounds: extra generation rounds per step at most; when they are used
+            up, a warning says so and the batch is topped up with uninformative groups.
+        dynamic_sampling_atol: a group whose reward spread is ``<= atol`` counts as uninformative.
         ref_sync_steps: every this many steps mix the policy into the reference (TR-DPO, TRL
             ``sync_ref_model``): ``ref = alpha*policy + (1-alpha)*ref``. 0 = off (the paper: the
             reference is the initial policy). The reference is then checkpointed too.
@@ -250,6 +269,9 @@ class RLOOModule(LightningModule):
         clip_eps_low: float = 0.2,
         clip_eps_high: float = 0.2,
         dual_clip: float | None = None,
+        dynamic_sampling: bool = False,
+        dynamic_sampling_max_rounds: int = 4,
+        dynamic_sampling_atol: float = 0.0,
         ref_sync_steps: int = 0,
         ref_sync_alpha: float = 0.6,
         on_nonfinite: Literal["stop", "skip"] = "stop",
@@ -309,6 +331,9 @@ class RLOOModule(LightningModule):
         if updates_per_rollout > 1 and kl_placement == "token_reward" and clip_mode == "sequence":
             raise ValueError("kl_placement='token_reward' gives token advantages; with updates_per_rollout > 1 "
                              "use clip_mode='token'")
+        if dynamic_sampling_max_rounds < 1 or dynamic_sampling_atol < 0:
+            raise ValueError(f"dynamic_sampling_max_rounds must be >= 1 and dynamic_sampling_atol >= 0, got "
+                             f"{dynamic_sampling_max_rounds}, {dynamic_sampling_atol}")
         if ref_sync_steps < 0 or not 0 < ref_sync_alpha <= 1:
             raise ValueError(f"ref_sync_steps must be >= 0 and ref_sync_alpha in (0, 1], got {ref_sync_steps}, "
                              f"{ref_sync_alpha}")
@@ -551,6 +576,8 @@ class RLOOModule(LightningModule):
             # 2. Rewards: weighted sum of the reward functions (NaN = missing), then the optional shaping.
             self.score(rollout)
             self.shape_rewards(rollout)
+            if hp.dynamic_sampling:
+                rollout = self._informative_rollout(rollout, len(batch["prompt"]))
         # 3.-6. Log-probs, KL, advantages, loss.
         loss, entropy = self.rollout_loss(rollout)
         if hp.updates_per_rollout > 1:
@@ -560,6 +587,51 @@ class RLOOModule(LightningModule):
             self._on_nonfinite("loss")
             return None  # every rank skips together: no backward, no optimizer step
         return loss
+
+    def _informative_rollout(self, rollout: Rollout, num_groups: int) -> Rollout:
+        """Dynamic sampling: more rounds of prompts until ``num_groups`` groups have differing rewards.
+
+        All ranks take part in every round while any rank is short (one all-reduce per round), so a
+        sharded ``generate`` never waits on a rank that stopped early.
+        """
+        hp = self.hparams
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if not hasattr(datamodule, "sample_batch"):
+            raise ValueError("dynamic_sampling needs a data module with sample_batch(num_prompts, seed), "
+                             "such as PromptDataModule")
+        step = self.global_step
+        parts, found, first_round, rounds = [], 0, None, 0
+        candidate = rollout
+        while True:
+            informative = informative_groups(candidate.rewards, hp.k, hp.dynamic_sampling_atol)
+            if first_round is None:
+                first_round = informative.sum().float()
+            take = informative.nonzero().flatten().tolist()[: num_groups - found]
+            parts.append((candidate, take))
+            found += len(take)
+            short = self.reduce_across_ranks(torch.tensor(float(found < num_groups), device=self.device),
+                                             "max")
+            if short == 0 or rounds == hp.dynamic_sampling_max_rounds:
+                break
+            rounds += 1
+            seed = derive_seed(hp.seed, self.global_rank, "dynamic", step, rounds)
+            extra = datamodule.sample_batch(num_groups, seed)
+            extra = {key: v.to(self.device) if isinstance(v, Tensor) else v for key, v in extra.items()}
+            candidate = self.rollout(extra, hp.k, self.sampling_seed(f"dynamic{rounds}", step))
+            self.score(candidate)
+            self.shape_rewards(candidate)
+        counts = self.reduce_across_ranks(
+            torch.tensor([float(first_round), float(found), float(num_groups)], device=self.device))
+        if counts[1] < counts[2]:
+            rank_zero_warn(f"dynamic_sampling: step {step}: {int(counts[1])} of {int(counts[2])} groups (all ranks) "
+                           f"informative after dynamic_sampling_max_rounds={hp.dynamic_sampling_max_rounds} extra "
+                           "rounds; the batch is topped up with uninformative groups (advantage 0)")
+        if found < num_groups:
+            filler = (~informative_groups(rollout.rewards, hp.k, hp.dynamic_sampling_atol)).nonzero().flatten()
+            parts.append((rollout, filler.tolist()[: num_groups - found]))
+        self.log("train/dynamic_sampling_rounds", float(rounds), batch_size=num_groups)
+        self.log("train/informative_groups", float(counts[0] / counts[2]), batch_size=num_groups)
+        return concat_groups(parts, self.tokenizer.pad_token_id)
 
     def _reusable_rollout(self, batch: dict) -> Rollout | None:
         """The stored rollout if it has updates left (``updates_per_rollout``), else None."""

@@ -11,7 +11,8 @@ from transformers import GenerationConfig
 
 from rloo_lightning.objectives import completion_mask
 
-__all__ = ["Rollout", "sampling_config", "default_eos_ids", "derive_seed", "generate_rollout", "stop_string_ends"]
+__all__ = ["Rollout", "concat_groups", "sampling_config", "default_eos_ids", "derive_seed", "generate_rollout",
+           "stop_string_ends"]
 
 
 @dataclass
@@ -73,6 +74,52 @@ class Rollout:
         """Each completion's token ids, up to and including its EOS."""
         lengths = self.completion_mask.sum(1).long().tolist()
         return [row[:n] for row, n in zip(self.completion_ids.tolist(), lengths)]
+
+
+def _pad_to(x: Tensor, width: int, value: int, left: bool) -> Tensor:
+    extra = width - x.shape[1]
+    if extra == 0:
+        return x
+    fill = torch.full((x.shape[0], extra), value, dtype=x.dtype, device=x.device)
+    return torch.cat([fill, x] if left else [x, fill], dim=1)
+
+
+def concat_groups(parts: list[tuple[Rollout, list[int]]], pad_token_id: int) -> Rollout:
+    """A scored rollout made of chosen prompt groups of several scored rollouts, in order.
+
+    Prompts stay left-padded and completions right-padded to the widest part; only the fields
+    set before the loss (ids, masks, texts, columns, scores, rewards) are carried.
+
+    Args:
+        parts: ``(rollout, group indices)`` pairs; every rollout has the same ``k`` and columns.
+    """
+    k = parts[0][0].k
+    rows = [(r, [g * k + j for g in groups for j in range(k)]) for r, groups in parts if groups]
+    if not rows:
+        raise ValueError("concat_groups: no groups chosen")
+    prompt_w = max(r.prompt_ids.shape[1] for r, _ in rows)
+    comp_w = max(r.completion_ids.shape[1] for r, _ in rows)
+
+    def cat(get, width=None, value=0, left=False):
+        pieces = [get(r)[idx] for r, idx in rows]
+        if width is not None:
+            pieces = [_pad_to(p, width, value, left) for p in pieces]
+        return torch.cat(pieces)
+
+    names = list(rows[0][0].scores)
+    return Rollout(
+        k=k,
+        prompt_ids=cat(lambda r: r.prompt_ids, prompt_w, pad_token_id, left=True),
+        prompt_mask=cat(lambda r: r.prompt_mask, prompt_w, 0, left=True),
+        completion_ids=cat(lambda r: r.completion_ids, comp_w, pad_token_id),
+        completion_mask=cat(lambda r: r.completion_mask, comp_w, 0),
+        truncated=cat(lambda r: r.truncated),
+        prompts=[r.prompts[i] for r, idx in rows for i in idx],
+        completions=[r.completions[i] for r, idx in rows for i in idx],
+        columns={c: [r.columns[c][i] for r, idx in rows for i in idx] for c in rows[0][0].columns},
+        scores={n: cat(lambda r, n=n: r.scores[n]) for n in names},
+        rewards=cat(lambda r: r.rewards),
+    )
 
 
 def sampling_config(

@@ -108,3 +108,13 @@ class FailsInWorker:
 
     def __call__(self, prompts, completions, completion_ids, **columns):
         return [0.0 for _ in completions]
+
+
+def coarse_length(prompts, completions, completion_ids, **columns):
+    """1.0 for a completion of more than 3 characters, else 0.0: many groups come out all equal."""
+    return [float(len(c) > 3) for c in completions]
+
+
+def constant(prompts, completions, completion_ids, **columns):
+    """The same reward for everything: no group is ever informative."""
+    return [0.5 for _ in completions]
