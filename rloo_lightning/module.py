@@ -21,10 +21,13 @@ from rloo_lightning.rollout import (
     Rollout,
     concat_groups,
     default_eos_ids,
+    GenerationEngine,
+    HFGenerateEngine,
     derive_seed,
     generate_rollout,
     sampling_config,
 )
+from rloo_lightning.timing import PhaseTimer
 from rloo_lightning.variants import (
     AGGREGATION_MODES,
     BASELINES,
@@ -212,6 +215,12 @@ class RLOOModule(LightningModule):
             (naming the step and the rollout statistics that led to it) before the optimizer step,
             so no poisoned weights reach a checkpoint; ``skip`` drops that update (no parameter or
             optimizer-state change) and counts it in ``train/skipped_steps``.
+        generation_engine: what samples the completions (:class:`~rloo_lightning.rollout.GenerationEngine`;
+            default: the policy's own ``generate`` with the KV cache). In YAML:
+            ``{class_path: my.Engine, init_args: {...}}``. Not saved in checkpoints' hyperparameters.
+        time_phases: time the phases of each step (generation, reward, policy_forward, reference)
+            and log them as ``time/<phase>``; read by :class:`~rloo_lightning.timing.StepTimer`.
+            Off: the timer is a shared no-op context.
         gguf_file: a GGUF file inside ``model_name_or_path`` (dequantized on load; needs ``gguf``).
         trust_remote_code: executes code shipped with the model; off unless set.
         optimizer: optimizer factory (default AdamW, lr 1e-6 as in the paper).
@@ -275,6 +284,8 @@ class RLOOModule(LightningModule):
         ref_sync_steps: int = 0,
         ref_sync_alpha: float = 0.6,
         on_nonfinite: Literal["stop", "skip"] = "stop",
+        generation_engine: GenerationEngine | None = None,
+        time_phases: bool = False,
         gguf_file: str | None = None,
         trust_remote_code: bool = False,
         optimizer: OptimizerCallable | None = None,
@@ -344,7 +355,9 @@ class RLOOModule(LightningModule):
             raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}")
         if stop_strings is not None and (not stop_strings or not all(stop_strings)):
             raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "generation_engine"])
+        self.engine = generation_engine or HFGenerateEngine()
+        self.timer = PhaseTimer(enabled=time_phases)
         # Resolve reward import paths now: a typo fails before any model is loaded.
         self.rewards = RewardSet.from_specs(reward_funcs, reward_weights, timeout=reward_timeout,
                                             num_workers=reward_workers, on_error=reward_on_error,
@@ -493,7 +506,7 @@ class RLOOModule(LightningModule):
             return generate_rollout(
                 self.policy, self.tokenizer, batch["input_ids"], batch["attention_mask"],
                 batch["prompt"], batch["columns"], k,
-                self.greedy_config if greedy else self.generation_config, seed,
+                self.greedy_config if greedy else self.generation_config, seed, engine=self.engine,
             )
 
     def micro_batches(self, num_sequences: int) -> list[slice]:
@@ -572,10 +585,12 @@ class RLOOModule(LightningModule):
             rollout = self._stored_rollout
         else:
             # 1. Rollout: k samples per prompt from pi_theta itself (explicit sampler, seeded by step).
-            rollout = self.rollout(batch, hp.k, self.sampling_seed("train", self.global_step))
+            with self.timer("generation"):
+                rollout = self.rollout(batch, hp.k, self.sampling_seed("train", self.global_step))
             # 2. Rewards: weighted sum of the reward functions (NaN = missing), then the optional shaping.
-            self.score(rollout)
-            self.shape_rewards(rollout)
+            with self.timer("reward"):
+                self.score(rollout)
+                self.shape_rewards(rollout)
             if hp.dynamic_sampling:
                 rollout = self._informative_rollout(rollout, len(batch["prompt"]))
         # 3.-6. Log-probs, KL, advantages, loss.
@@ -583,6 +598,8 @@ class RLOOModule(LightningModule):
         if hp.updates_per_rollout > 1:
             self._stored_rollout, self._rollout_updates = rollout, self._rollout_updates + 1
         self._last_stats = self._log_train_metrics(rollout, rollout.advantages, entropy, loss)
+        for phase, seconds in self.timer.totals.items():
+            self.log(f"time/{phase}", seconds, batch_size=len(rollout.prompts))
         if not self._finite_everywhere(loss):
             self._on_nonfinite("loss")
             return None  # every rank skips together: no backward, no optimizer step
@@ -617,9 +634,11 @@ class RLOOModule(LightningModule):
             seed = derive_seed(hp.seed, self.global_rank, "dynamic", step, rounds)
             extra = datamodule.sample_batch(num_groups, seed)
             extra = {key: v.to(self.device) if isinstance(v, Tensor) else v for key, v in extra.items()}
-            candidate = self.rollout(extra, hp.k, self.sampling_seed(f"dynamic{rounds}", step))
-            self.score(candidate)
-            self.shape_rewards(candidate)
+            with self.timer("generation"):
+                candidate = self.rollout(extra, hp.k, self.sampling_seed(f"dynamic{rounds}", step))
+            with self.timer("reward"):
+                self.score(candidate)
+                self.shape_rewards(candidate)
         counts = self.reduce_across_ranks(
             torch.tensor([float(first_round), float(found), float(num_groups)], device=self.device))
         if counts[1] < counts[2]:
@@ -662,12 +681,13 @@ class RLOOModule(LightningModule):
         #    formed, so the policy runs here without grad (only if that is needed) and again with
         #    grad, one micro-batch at a time, in step 6.
         logp = entropy = policy_logp = None
-        if len(chunks) == 1:
-            logp, entropy = self.sequence_logprobs(self.policy, rollout, with_entropy=True)
-            policy_logp = logp.detach()
-        elif fresh and (self.has_reference or hp.updates_per_rollout > 1):
-            with torch.no_grad():
-                policy_logp = torch.cat([self.sequence_logprobs(self.policy, rollout, rows)[0] for rows in chunks])
+        with self.timer("policy_forward"):
+            if len(chunks) == 1:
+                logp, entropy = self.sequence_logprobs(self.policy, rollout, with_entropy=True)
+                policy_logp = logp.detach()
+            elif fresh and (self.has_reference or hp.updates_per_rollout > 1):
+                with torch.no_grad():
+                    policy_logp = torch.cat([self.sequence_logprobs(self.policy, rollout, rows)[0] for rows in chunks])
 
         if fresh:
             self._advantages(rollout, policy_logp, chunks)
@@ -679,7 +699,8 @@ class RLOOModule(LightningModule):
         if logp is not None:
             loss = self._update_loss(rollout, slice(None), logp, denominators)
         else:
-            loss, entropy = self._micro_batched_loss(rollout, chunks, denominators)
+            with self.timer("policy_forward"):  # the micro-batches' forwards and all but the last backward
+                loss, entropy = self._micro_batched_loss(rollout, chunks, denominators)
         if fresh and hp.updates_per_rollout > 1:
             rollout.old_logp = policy_logp  # pi_theta_old of the later updates on this rollout
 
@@ -697,7 +718,8 @@ class RLOOModule(LightningModule):
         #    kl_placement moves it after the baseline (OpenRLHF) or into the loss (GRPO/verl).
         rollout.shaped_rewards = rollout.rewards
         if self.has_reference:
-            rollout.ref_logp = self.reference_logprobs(rollout, chunks)
+            with self.timer("reference"):
+                rollout.ref_logp = self.reference_logprobs(rollout, chunks)
             rollout.token_kl = kl_per_token(policy_logp, rollout.ref_logp, hp.kl_estimator, hp.kl_clamp) * mask
             rollout.kl = rollout.token_kl.sum(1)
             if hp.kl_placement == "reward":
@@ -933,6 +955,9 @@ class RLOOModule(LightningModule):
             # step (= after the previous optimizer step), so a checkpoint written at the end of the
             # previous step and a run resumed from it mix at the same point.
             mix_into_reference(self.reference.parameters(), self.policy.parameters(), hp.ref_sync_alpha)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        self.engine.on_weights_updated(self.policy)  # an engine with its own weights copy resyncs
 
     def on_before_optimizer_step(self, optimizer) -> None:
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]

@@ -11,8 +11,8 @@ from transformers import GenerationConfig
 
 from rloo_lightning.objectives import completion_mask
 
-__all__ = ["Rollout", "concat_groups", "sampling_config", "default_eos_ids", "derive_seed", "generate_rollout",
-           "stop_string_ends"]
+__all__ = ["Rollout", "GenerationEngine", "HFGenerateEngine", "concat_groups", "sampling_config", "default_eos_ids",
+           "derive_seed", "generate_rollout", "stop_string_ends"]
 
 
 @dataclass
@@ -232,6 +232,58 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+class GenerationEngine:
+    """The seam between :class:`~rloo_lightning.RLOOModule` and whatever samples the completions.
+
+    Prompts in, token ids out; the module builds masks, texts and everything else from the ids,
+    so an engine only has to sample faithfully. The default, :class:`HFGenerateEngine`, calls the
+    live policy's ``generate``. A faster engine (e.g. vLLM on a GPU) subclasses this, samples
+    from its own copy of the weights, and refreshes that copy in :meth:`on_weights_updated`,
+    which the module calls after every optimizer step (on-policy: the next rollout must come
+    from the updated policy). Select one with ``RLOOModule(generation_engine=...)``.
+
+    Contract of :meth:`generate`:
+        - sample from exactly ``generation_config`` (temperature, top_k/top_p off by default, EOS
+          ids, ``max_new_tokens``); nothing from the model's shipped generation config;
+        - be deterministic given ``seed`` and leave the global RNG as it was;
+        - return ``[B, T']`` completion ids, ``T' <= max_new_tokens``, right-padded with any id
+          after a completion's first EOS (the module's mask ends at the first EOS / stop string).
+    """
+
+    def generate(self, model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor,
+                 generation_config: GenerationConfig, seed: int) -> Tensor:
+        """Completion ids ``[B, T']`` for ``B`` left-padded prompts ``[B, P]`` (already repeated k times)."""
+        raise NotImplementedError
+
+    def on_weights_updated(self, model) -> None:
+        """Called after each optimizer step; an engine holding its own weights copies them here."""
+
+
+class HFGenerateEngine(GenerationEngine):
+    """``model.generate`` with the KV cache, in eval mode, stopping when every row has ended."""
+
+    def generate(self, model, tokenizer, prompt_ids, prompt_mask, generation_config, seed):
+        devices = [prompt_ids.device] if prompt_ids.device.type == "cuda" else []
+        # A peft wrapper generates with its base model's generation_config.
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        was_training, shipped = model.training, base.generation_config
+        # transformers fills every unset field of our config from the model's shipped one (min_p,
+        # suppress_tokens, ... would truncate the sampler); an empty one leaves nothing to merge.
+        base.generation_config = GenerationConfig()
+        model.eval()  # eval: no dropout, and transformers keeps the KV cache even when checkpointing
+        try:
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed)
+                out = model.generate(
+                    input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config,
+                    tokenizer=tokenizer if generation_config.stop_strings else None,
+                )
+        finally:
+            model.train(was_training)
+            base.generation_config = shipped
+        return out[:, prompt_ids.shape[1] :]
+
+
 @torch.no_grad()
 def generate_rollout(
     model,
@@ -243,6 +295,7 @@ def generate_rollout(
     k: int,
     generation_config: GenerationConfig,
     seed: int,
+    engine: GenerationEngine | None = None,
 ) -> Rollout:
     """Sample ``k`` completions per prompt with the explicit config, from a seeded RNG stream.
 
@@ -251,30 +304,14 @@ def generate_rollout(
         input_ids, attention_mask: ``[N, P]`` left-padded prompts.
         k: completions per prompt; the k copies of a prompt are contiguous (prompt-major).
         seed: the sampling seed; the global RNG is left as it was (``fork_rng``).
+        engine: what samples (default :class:`HFGenerateEngine`).
 
     ``torch.no_grad`` and not ``inference_mode``: tensors made here enter the autograd graph later.
     """
     prompt_ids = input_ids.repeat_interleave(k, dim=0)
     prompt_mask = attention_mask.repeat_interleave(k, dim=0)
-    devices = [input_ids.device] if input_ids.device.type == "cuda" else []
-    # A peft wrapper generates with its base model's generation_config.
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    was_training, shipped = model.training, base.generation_config
-    # transformers fills every unset field of our config from the model's shipped one (min_p,
-    # suppress_tokens, ... would truncate the sampler); an empty one leaves nothing to merge.
-    base.generation_config = GenerationConfig()
-    model.eval()
-    try:
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            out = model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config,
-                tokenizer=tokenizer if generation_config.stop_strings else None,
-            )
-    finally:
-        model.train(was_training)
-        base.generation_config = shipped
-    completion_ids = out[:, prompt_ids.shape[1] :]
+    engine = engine or HFGenerateEngine()
+    completion_ids = engine.generate(model, tokenizer, prompt_ids, prompt_mask, generation_config, seed)
     eos = generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos)
     mask = completion_mask(completion_ids, eos)
