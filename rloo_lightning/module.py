@@ -899,7 +899,8 @@ class RLOOModule(LightningModule):
     # -- NaN/inf guard -------------------------------------------------------------------------
     def _finite_everywhere(self, *tensors: Tensor) -> bool:
         """True if every tensor is finite on every rank (one all-reduce, so all ranks agree)."""
-        ok = torch.stack([torch.isfinite(t.detach()).all() for t in tensors]).all().float()
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP2: this rank's shard
+        ok = torch.stack([torch.isfinite(t.detach()).all() for t in local]).all().float()
         return bool(self.reduce_across_ranks(ok, "min") > 0)
 
     def _on_nonfinite(self, what: str) -> None:

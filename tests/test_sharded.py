@@ -1,0 +1,657 @@
+"""Sharded training (issue 9): FSDP2 through ``ModelParallelStrategy`` on 2 CPU processes (gloo), end to end.
+
+Every distributed run is a subprocess (the CLI, or this file run as a script: ``python tests/test_sharded.py
+helper ...``); nothing forks inside pytest. The runs start together (2 cores) in one module fixture:
+
+* ``a``: the CLI with ``configs/fsdp2_cpu.yaml``, 4 steps, a sharded checkpoint every step;
+* ``b`` (after the others): the same, ``--ckpt_path`` A's step-2 checkpoint, to step 4;
+* ``helper_fsdp2`` / ``helper_ddp``: a Trainer on FIXED rollouts (``reliability_helpers.ddp_fixed_rollout``'s
+  module: completions a function of the prompt text, plain SGD, rows dropped unevenly from step 1), under
+  FSDP2 and under DDP, saving full gradients and weights; FSDP2's run first probes generation (below);
+* ``helper_fsdp1``: the same probe under Lightning's ``FSDPStrategy`` (FSDP1, ``auto_wrap_policy`` = the
+  decoder layer), which refuses a CPU by an exact-type check: a subclass that only passes FSDP
+  ``device_id=cpu`` gets past it, for this test only (Lightning itself runs FSDP on GPUs only).
+
+The generation probe, in ``training_step`` at step 0 through ``RLOOModule.rollout`` (so through
+``gathered_for_generation``): rank 0 ends every completion after 1 token (every token is an EOS), rank 1
+runs the whole budget (``min_new_tokens``). A ``TorchDispatchMode`` counts the collectives (c10d ops)
+dispatched inside ``generate``: 0 with the gathering. The control, ``gather=False`` (policy left sharded,
+``synced_gpus=True``): the same lengths, and the counter does see the per-forward all-gathers.
+
+The tiny model is the ``tiny_model_dir`` fixture (conftest). The whole file: about 50 s of CPU time
+(wall clock: 110 s on a shared 2-core machine at load 6-8).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+CONFIG = str(REPO / "configs" / "fsdp2_cpu.yaml")
+TIMEOUT = 240  # per subprocess; a healthy run takes 15-40 s here. A deadlock is killed and fails the test.
+STEPS, RESUME_AT = 4, 2
+PROBE_TOKENS = 12
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# subprocess plumbing
+# ---------------------------------------------------------------------------------------------------------------
+def _env(cache: Path) -> dict:
+    pythonpath = os.pathsep.join(p for p in [str(TESTS), os.environ.get("PYTHONPATH", "")] if p)
+    return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                RLOO_LIGHTNING_CACHE=str(cache), OMP_NUM_THREADS="1", PYTHONPATH=pythonpath)
+
+
+class _Proc:
+    """A subprocess with its output in files; ``wait`` kills it at the timeout (a hang fails, never blocks)."""
+
+    def __init__(self, name: str, cmd: list[str], cwd: Path, env: dict) -> None:
+        cwd.mkdir(parents=True, exist_ok=True)
+        self.name, self.cwd, self.timed_out = name, cwd, False
+        self._out = open(cwd / f"{name}.stdout", "w")
+        self._err = open(cwd / f"{name}.stderr", "w")
+        self.start = time.monotonic()
+        self.popen = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=self._out, stderr=self._err,
+                                      start_new_session=True)
+
+    def wait(self, timeout: float = TIMEOUT) -> "_Proc":
+        try:
+            self.popen.wait(timeout=max(1.0, timeout - (time.monotonic() - self.start)))
+        except subprocess.TimeoutExpired:
+            self.timed_out = True
+            os.killpg(self.popen.pid, 9)  # the launcher and the rank processes it started: its own group
+            self.popen.wait()
+        self._out.close()
+        self._err.close()
+        return self
+
+    @property
+    def rc(self) -> int | None:
+        return self.popen.returncode
+
+    def explain(self) -> str:
+        out = (self.cwd / f"{self.name}.stdout").read_text()
+        err = (self.cwd / f"{self.name}.stderr").read_text()
+        return (f"[{self.name}] rc={self.rc} timed_out={self.timed_out}\n--- stdout ---\n{out[-3000:]}\n"
+                f"--- stderr ---\n{err[-6000:]}")
+
+    @property
+    def log(self) -> str:
+        return (self.cwd / f"{self.name}.stdout").read_text() + (self.cwd / f"{self.name}.stderr").read_text()
+
+
+def _cli_fit(name: str, root: Path, model_dir: str, max_steps: int, env: dict, *extra: str) -> _Proc:
+    args = [
+        "fit", "--config", CONFIG,
+        "--model.model_name_or_path", model_dir,
+        "--trainer.max_steps", str(max_steps),
+        "--trainer.val_check_interval", str(max_steps),
+        "--trainer.default_root_dir", str(root),
+        "--trainer.enable_progress_bar", "false",
+        "--data.num_train_rows", "32",
+        "--data.num_val_rows", "8",
+        "--data.batch_size", "4",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={root / 'ckpt'}",
+        "--trainer.callbacks.every_n_train_steps=1",
+        "--trainer.callbacks.save_top_k=-1",
+        *extra,
+    ]
+    return _Proc(name, [sys.executable, "-m", "rloo_lightning", *args], root, env)
+
+
+def _helper(name: str, root: Path, model_dir: str, strategy: str, env: dict, steps: int = 2) -> _Proc:
+    cmd = [sys.executable, __file__, "helper", "--strategy", strategy, "--model", model_dir,
+           "--out", str(root / "out"), "--steps", str(steps)]
+    return _Proc(name, cmd, root, env)
+
+
+def _dcp_to_dict(folder: Path, tmp: Path) -> dict:
+    """A sharded (DCP) checkpoint folder as one in-memory dict, read without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    out = tmp / (folder.name + ".pt")
+    dcp_to_torch_save(str(folder), str(out))
+    return torch.load(out, map_location="cpu", weights_only=False)
+
+
+def _flat_tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else []
+    out = {}
+    for k, v in items:
+        out.update(_flat_tensors(v, f"{prefix}/{k}"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the runs
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir, _cache_dir):
+    env = _env(_cache_dir)
+    root = tmp_path_factory.mktemp("sharded")
+    t0 = time.monotonic()
+    procs = {
+        "a": _cli_fit("a", root / "a", tiny_model_dir, STEPS, env),
+        "helper_fsdp2": _helper("helper_fsdp2", root / "h_fsdp2", tiny_model_dir, "fsdp2", env),
+        "helper_ddp": _helper("helper_ddp", root / "h_ddp", tiny_model_dir, "ddp", env),
+        "helper_fsdp1": _helper("helper_fsdp1", root / "h_fsdp1", tiny_model_dir, "fsdp1", env, steps=1),
+    }
+    for p in procs.values():
+        p.wait()
+    if procs["a"].rc == 0:  # resume from A's own step-2 checkpoint, to step 4: compared with A's step 4
+        procs["b"] = _cli_fit("b", root / "b", tiny_model_dir, STEPS, env, "--ckpt_path",
+                              str(_ckpt(root / "a", RESUME_AT))).wait()
+    print(f"sharded runs: {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    return {"root": root, "procs": procs}
+
+
+def _ckpt(run_root: Path, step: int) -> Path:
+    found = sorted((run_root / "ckpt").glob(f"epoch=*-step={step}.ckpt"))
+    assert len(found) == 1, sorted(p.name for p in (run_root / "ckpt").iterdir())
+    return found[0]
+
+
+def _ok(runs, name: str) -> _Proc:
+    assert name in runs["procs"], f"{name} did not run (an earlier run failed)"
+    p = runs["procs"][name]
+    assert p.rc == 0 and not p.timed_out, p.explain()
+    return p
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FSDP2 through the CLI: fit, sharded checkpoints, resume
+# ---------------------------------------------------------------------------------------------------------------
+def test_fsdp2_cli_fit_shards_the_policy_and_writes_sharded_checkpoints(runs):
+    a = _ok(runs, "a")
+    log = a.log
+    assert "distributed_backend=gloo" in log, a.explain()
+    assert "ModelParallelStrategy" in (runs["root"] / "a" / "lightning_logs" / "version_0" / "config.yaml").read_text()
+    ckpt = _ckpt(runs["root"] / "a", STEPS)
+    assert ckpt.is_dir(), ckpt  # a sharded checkpoint is a folder
+    shards = sorted(p.name for p in ckpt.glob("*.distcp"))
+    assert len(shards) == 2, shards  # one file per rank: the policy really was sharded
+    meta = torch.load(ckpt / "meta.pt", map_location="cpu", weights_only=False)
+    assert meta["global_step"] == STEPS
+
+
+def test_fsdp2_checkpoint_holds_the_whole_policy_and_no_reference(runs, tmp_path, tiny_model_dir):
+    _ok(runs, "a")
+    state = _dcp_to_dict(_ckpt(runs["root"] / "a", STEPS), tmp_path)["state_dict"]
+    from transformers import AutoModelForCausalLM
+
+    expected = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    policy = {k[len("policy."):]: v for k, v in state.items() if k.startswith("policy.")}
+    assert set(expected) <= set(policy), sorted(set(expected) - set(policy))
+    for name, value in expected.items():
+        assert policy[name].shape == value.shape, name  # whole tensors, gathered from both shards
+        assert torch.isfinite(policy[name]).all(), name
+    assert any(not torch.equal(policy[n], v) for n, v in expected.items())  # it trained
+    assert not [k for k in state if "ref" in k.split(".")[0]], sorted(state)[:10]  # no reference copy
+
+
+def test_fsdp2_resume_from_a_sharded_checkpoint_matches_the_uninterrupted_run(runs, tmp_path):
+    """B resumes from A's sharded step-2 checkpoint and runs to step 4: weights and optimizer state equal A's."""
+    _ok(runs, "a")
+    b = _ok(runs, "b")
+    assert "Restored all states from the checkpoint" in b.log, b.explain()
+    a_end = _dcp_to_dict(_ckpt(runs["root"] / "a", STEPS), tmp_path / "a")
+    b_end = _dcp_to_dict(_ckpt(runs["root"] / "b", STEPS), tmp_path / "b")
+    assert torch.load(_ckpt(runs["root"] / "b", STEPS) / "meta.pt", weights_only=False)["global_step"] == STEPS
+    b_steps = sorted(int(p.name.split("step=")[1].split(".")[0]) for p in (runs["root"] / "b" / "ckpt").iterdir())
+    assert b_steps == list(range(RESUME_AT + 1, STEPS + 1)), b_steps  # B started after the resume point
+    for what in ("state_dict", "optimizer_0"):
+        fa, fb = _flat_tensors(a_end[what]), _flat_tensors(b_end[what])
+        assert fa.keys() == fb.keys() and fa, what
+        differ = [k for k in fa if not torch.equal(fa[k], fb[k])]
+        assert not differ, f"{what}: {len(differ)} tensors differ after resume, e.g. {differ[:3]}"
+    start = _dcp_to_dict(_ckpt(runs["root"] / "a", RESUME_AT), tmp_path / "start")
+    assert any(not torch.equal(start["state_dict"][k], v) for k, v in b_end["state_dict"].items()
+               if k.startswith("policy."))  # B trained from the checkpoint on
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# generation: gathered once, no collective inside generate, ranks at different lengths
+# ---------------------------------------------------------------------------------------------------------------
+def _probe(runs, name: str) -> list[dict]:
+    p = _ok(runs, name)
+    return [json.loads((p.cwd / "out" / f"probe_rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("name", ["helper_fsdp2", "helper_fsdp1"])
+def test_generation_with_different_lengths_per_rank_issues_no_collective(runs, name):
+    r0, r1 = _probe(runs, name)
+    assert r0["sharded"] and r1["sharded"], (r0, r1)  # the policy really held sharded parameters
+    assert r0["path"] == r1["path"] == ("fsdp2" if name == "helper_fsdp2" else "fsdp")
+    assert set(r0["lengths"]) == {1}, r0["lengths"]  # rank 0 stopped after one token
+    assert set(r1["lengths"]) == {PROBE_TOKENS}, r1["lengths"]  # rank 1 ran the whole budget
+    assert r0["gathered_collectives"] == r1["gathered_collectives"] == 0, (r0, r1)
+    assert r0["generate_kwargs"]["synced_gpus"] is False, r0
+    # the control, gather=False: the counter does see the per-forward all-gathers of a sharded policy, and
+    # synced_gpus=True keeps the ranks paired at different lengths (rank 0 steps on with dummy forwards)
+    assert r0["ungathered_generate_kwargs"]["synced_gpus"] is True, r0
+    assert r0["ungathered_collectives"] == r1["ungathered_collectives"] > PROBE_TOKENS, (r0, r1)
+    assert set(r0["ungathered_lengths"]) == {1} and set(r1["ungathered_lengths"]) == {PROBE_TOKENS}, (r0, r1)
+    # afterwards the parameters are sharded again, and the run went on to train
+    assert r0["sharded_after"] and r1["sharded_after"], (r0, r1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one update under FSDP2 == the DDP update, on the same injected rollout
+# ---------------------------------------------------------------------------------------------------------------
+def test_fsdp2_gradients_and_update_equal_ddp_on_a_fixed_rollout(runs):
+    fsdp2, ddp = _ok(runs, "helper_fsdp2").cwd / "out", _ok(runs, "helper_ddp").cwd / "out"
+    kept = [json.loads(line) for line in (ddp / "kept_rank0.jsonl").read_text().splitlines()]
+    kept1 = [json.loads(line) for line in (ddp / "kept_rank1.jsonl").read_text().splitlines()]
+    assert kept[1]["kept"] != kept1[1]["kept"]  # step 1: the ranks keep unequal numbers of rows
+    for step in (0, 1):
+        g_ddp = torch.load(ddp / f"full_grads_rank0_step{step}.pt")
+        for rank in (0, 1):
+            g = torch.load(fsdp2 / f"full_grads_rank{rank}_step{step}.pt")
+            assert g.keys() == g_ddp.keys() and g, sorted(set(g) ^ set(g_ddp))
+            assert any(v.abs().max() > 1e-3 for v in g_ddp.values())  # a real gradient
+            for n in g:
+                torch.testing.assert_close(g[n], g_ddp[n], rtol=1e-5, atol=1e-6, msg=f"step {step} {n}")
+    w_ddp = torch.load(ddp / "full_weights_rank0.pt")
+    for rank in (0, 1):
+        w = torch.load(fsdp2 / f"full_weights_rank{rank}.pt")
+        assert w.keys() == w_ddp.keys()
+        for n in w:
+            torch.testing.assert_close(w[n], w_ddp[n], rtol=1e-5, atol=1e-6, msg=f"weights {n}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# in-process unit tests: dispatch, no-op path, ZeRO-3 and FSDP bits through mocks
+# ---------------------------------------------------------------------------------------------------------------
+def _bare(cls, **attrs):
+    """An instance of a Lightning strategy class without running its __init__ (DeepSpeed needs deepspeed)."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(attrs)
+    return obj
+
+
+@pytest.fixture
+def tiny_policy(tiny_model_dir):
+    from rloo_lightning.models import load_causal_lm
+
+    return load_causal_lm(tiny_model_dir)
+
+
+def test_generation_path_dispatches_on_the_strategy_type(tiny_policy):
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        DeepSpeedStrategy,
+        FSDPStrategy,
+        ModelParallelStrategy,
+        SingleDeviceStrategy,
+    )
+
+    from rloo_lightning.sharding import generation_path, is_zero3
+
+    zero3 = _bare(DeepSpeedStrategy, config={"zero_optimization": {"stage": 3}})
+    zero2 = _bare(DeepSpeedStrategy, config={"zero_optimization": {"stage": 2}})
+    assert generation_path(tiny_policy, _bare(ModelParallelStrategy)) == "fsdp2"
+    assert generation_path(tiny_policy, _bare(FSDPStrategy)) == "fsdp"
+    assert generation_path(tiny_policy, zero3) == "deepspeed_zero3" and is_zero3(zero3)
+    assert generation_path(tiny_policy, zero2) == "none" and not is_zero3(zero2)
+    assert generation_path(tiny_policy, _bare(DDPStrategy)) == "none"
+    assert generation_path(tiny_policy, _bare(SingleDeviceStrategy)) == "none"
+    assert generation_path(tiny_policy, None) == "none"
+    # without a strategy: by what the model holds (ZeRO-3 partitioned parameters carry ds_id)
+    next(tiny_policy.parameters()).ds_id = 0
+    assert generation_path(tiny_policy, None) == "deepspeed_zero3"
+
+
+def test_unsharded_generation_is_untouched(tiny_policy):
+    from rloo_lightning.sharding import gathered_for_generation
+
+    ids = torch.tensor([[3, 4, 5]])
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    plain = tiny_policy.generate(**kwargs)
+    with gathered_for_generation(tiny_policy, None):
+        assert "generate" not in vars(tiny_policy)  # no kwargs injected
+        assert not torch.is_grad_enabled()
+        inside = tiny_policy.generate(**kwargs)
+    assert torch.equal(plain, inside)
+    assert torch.is_grad_enabled()
+
+
+def test_decoder_layers_and_tensor_parallel_refused(tiny_policy):
+    from rloo_lightning.sharding import decoder_layers, shard_policy
+
+    layers = decoder_layers(tiny_policy)
+    assert [type(m).__name__ for m in layers] == ["LlamaDecoderLayer"] * 2
+
+    class Mesh:
+        mesh_dim_names = ("data_parallel", "tensor_parallel")
+
+        def __getitem__(self, name):
+            return type("Sub", (), {"size": lambda self: 2})()
+
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        shard_policy(tiny_policy, Mesh())
+
+
+class _FakeHook:
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def remove(self) -> None:
+        self.log.append(("remove", self.name))
+
+
+def _fake_deepspeed(monkeypatch, log: list):
+    """A ``deepspeed`` module with what the ZeRO-3 paths use, recording the calls in ``log``."""
+    import contextlib
+    import types
+
+    ds = types.ModuleType("deepspeed")
+    ds.zero = types.ModuleType("deepspeed.zero")
+    pp = types.ModuleType("deepspeed.zero.partition_parameters")
+
+    @contextlib.contextmanager
+    def gathered(params, modifier_rank=None):
+        log.append(("gather", len(params), modifier_rank))
+        yield
+        log.append(("partition",))
+
+    ds.zero.GatheredParameters = gathered
+    pp.shutdown_init_context = lambda: log.append(("shutdown_init",))
+    pp.restore_init_context = lambda: log.append(("restore_init",))
+    ds.zero.partition_parameters = pp
+    monkeypatch.setitem(sys.modules, "deepspeed", ds)
+    monkeypatch.setitem(sys.modules, "deepspeed.zero", ds.zero)
+    monkeypatch.setitem(sys.modules, "deepspeed.zero.partition_parameters", pp)
+
+
+def _zero3_strategy_with_engine(policy, log: list):
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    offload = SimpleNamespace(module=policy, forward_hooks=[_FakeHook(log, "f")], backward_hooks=[_FakeHook(log, "b")])
+    offload._register_deepspeed_module = lambda module: log.append(("register_hooks", module is policy))
+    engine = SimpleNamespace(optimizer=SimpleNamespace(parameter_offload=offload))
+    # strategy.model (a property: _model, else the LightningModule) is the DeepSpeedEngine after setup
+    return _bare(DeepSpeedStrategy, config={"zero_optimization": {"stage": 3}}, _model=engine), offload
+
+
+def test_zero3_generation_gathers_once_removes_hooks_and_passes_synced_gpus(monkeypatch, tiny_policy):
+    from rloo_lightning.sharding import gathered_for_generation
+
+    log: list = []
+    _fake_deepspeed(monkeypatch, log)
+    strategy, offload = _zero3_strategy_with_engine(tiny_policy, log)
+    for p in tiny_policy.parameters():
+        p.ds_active_sub_modules = {1, 2}
+    calls = []
+    monkeypatch.setattr(type(tiny_policy), "generate", lambda self, **kw: calls.append(kw), raising=True)
+    with gathered_for_generation(tiny_policy, strategy):
+        tiny_policy.generate(input_ids=None)
+        log.append(("generate",))
+        assert offload.forward_hooks == [] and offload.backward_hooks == []
+        assert all(not p.ds_active_sub_modules for p in tiny_policy.parameters())
+    assert calls == [{"input_ids": None, "synced_gpus": True}]  # explicit: transformers can't detect Lightning's ZeRO-3
+    n = len(list(tiny_policy.parameters()))
+    assert log == [("gather", n, None), ("remove", "f"), ("remove", "b"), ("generate",),
+                   ("register_hooks", True), ("partition",)]  # hooks back before the parameters are partitioned
+    assert "generate" not in vars(tiny_policy)
+
+
+def test_zero3_without_gathering_only_passes_synced_gpus(monkeypatch, tiny_policy):
+    from rloo_lightning.sharding import gathered_for_generation
+
+    log: list = []
+    _fake_deepspeed(monkeypatch, log)
+    strategy, offload = _zero3_strategy_with_engine(tiny_policy, log)
+    calls = []
+    monkeypatch.setattr(type(tiny_policy), "generate", lambda self, **kw: calls.append(kw), raising=True)
+    with gathered_for_generation(tiny_policy, strategy, gather=False):
+        tiny_policy.generate()
+    assert calls == [{"synced_gpus": True}] and log == []
+    assert len(offload.forward_hooks) == 1
+
+
+def test_zero3_configure_model_loads_policy_partitioned_and_reference_whole(monkeypatch, tiny_model_dir):
+    """configure_model under a (mocked) ZeRO-3 strategy: the policy's from_pretrained sees ZeRO-3 (a live
+    HfDeepSpeedConfig); the reference is a second load, whole (zero.Init suspended), not a copy; nothing leaks."""
+    from types import SimpleNamespace
+
+    import transformers.integrations
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled, set_hf_deepspeed_config
+
+    import rloo_lightning.models as models
+    from rloo_lightning.module import RLOOModule
+
+    log: list = []
+    _fake_deepspeed(monkeypatch, log)
+
+    class FakeHfDeepSpeedConfig:
+        def __init__(self, config):
+            log.append(("hf_ds_config", config["zero_optimization"]["stage"]))
+            set_hf_deepspeed_config(self)
+
+        def is_zero3(self):
+            return True
+
+    monkeypatch.setattr(transformers.integrations, "HfDeepSpeedConfig", FakeHfDeepSpeedConfig, raising=False)
+    # transformers' real ZeRO-3 load needs deepspeed and a process group: the fake load only records whether
+    # from_pretrained would have seen ZeRO-3, and returns a copy of a model loaded beforehand
+    loaded = models.load_causal_lm(tiny_model_dir)
+
+    def load(*args, **kwargs):
+        log.append(("load", is_deepspeed_zero3_enabled()))
+        return copy.deepcopy(loaded)
+
+    monkeypatch.setattr(models, "load_causal_lm", load)
+    strategy, _ = _zero3_strategy_with_engine(None, log)
+    module = RLOOModule(tiny_model_dir, reward_funcs=["rloo_lightning.tasks.reverse.reward"], beta=0.1)
+    module._trainer = SimpleNamespace(strategy=strategy)
+    module.configure_model()
+    assert log == [("hf_ds_config", 3), ("load", True), ("shutdown_init",), ("load", False), ("restore_init",)]
+    assert not is_deepspeed_zero3_enabled()  # dropped after the policy's load: reward models load whole
+    assert module.reference is not None and module.reference is not module.policy
+
+
+def test_other_strategies_configure_model_copies_the_reference(monkeypatch, tiny_model_dir):
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    import rloo_lightning.models as models
+    from rloo_lightning.module import RLOOModule
+
+    loads = []
+    real_load = models.load_causal_lm
+    monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: loads.append(1) or real_load(*a, **k))
+    module = RLOOModule(tiny_model_dir, reward_funcs=["rloo_lightning.tasks.reverse.reward"], beta=0.1)
+    module._trainer = SimpleNamespace(strategy=_bare(DDPStrategy))
+    module.configure_model()
+    assert loads == [1]  # one load; the reference is a deep copy
+    ref, pol = next(module.reference.parameters()), next(module.policy.parameters())
+    assert torch.equal(ref, pol) and ref.data_ptr() != pol.data_ptr()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the helper (run as a script by the fixture above; never imported by pytest for this part)
+# ---------------------------------------------------------------------------------------------------------------
+def _helper_main(argv: list[str]) -> None:  # pragma: no cover - runs in subprocesses
+    import argparse
+
+    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+    from reliability_helpers.ddp_fixed_rollout import DropRows, FixedRolloutRLOO
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import GenerationConfig
+
+    from rloo_lightning.data import PromptDataModule
+    from rloo_lightning.module import RLOOModule
+    from rloo_lightning.rollout import generate_rollout
+    from rloo_lightning.sharding import gathered_for_generation, generation_path
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", choices=["ddp", "fsdp2", "fsdp1"], required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    seed_everything(0)
+    torch.set_num_threads(1)
+
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    def sharded_now(policy) -> bool:
+        """Some parameter of the policy is stored sharded (a DTensor shard, or an FSDP1 flat shard)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if any(hasattr(p, "full_tensor") for p in policy.parameters()):
+            return True
+        units = [m for m in policy.modules() if isinstance(m, FullyShardedDataParallel)]
+        # an FSDP1 unit whose unsharded flat parameter is not allocated holds only its shard
+        return any(u._handle is not None and u._handle.uses_sharded_strategy and u._handle.needs_unshard()
+                   for u in units)
+
+    class Collectives(TorchDispatchMode):
+        """Counts the collectives dispatched while active: every c10d op (all-gathers, all-reduces, ...),
+        whichever Python API issued it (FSDP2 calls ``dist.all_gather_single``, transformers ``dist.all_reduce``)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    class Probed(FixedRolloutRLOO):
+        def probe(self, batch: dict) -> None:
+            rank, policy, strategy = self.global_rank, self.policy, self.trainer.strategy
+            counter = {"n": 0}
+            seen = {}
+            vocab = len(self.tokenizer)
+            eos = self.eos_token_ids[0]
+            base = dict(max_new_tokens=PROBE_TOKENS, pad_token_id=self.tokenizer.pad_token_id, do_sample=True,
+                        temperature=1.0, top_k=0, top_p=1.0)
+            if rank == 0:  # every token ends the completion: 1 token
+                cfg = GenerationConfig(**base, eos_token_id=list(range(vocab)))
+            else:  # EOS forbidden until the budget: PROBE_TOKENS tokens
+                cfg = GenerationConfig(**base, eos_token_id=[eos], min_new_tokens=PROBE_TOKENS)
+            bound = policy.generate
+
+            def counted(*a, **k):
+                seen.update({key: k[key] for key in ("synced_gpus",) if key in k})
+                with Collectives() as mode:
+                    result = bound(*a, **k)
+                counter["n"] += mode.n
+                return result
+
+            sharded_before = sharded_now(policy)
+            policy.generate = counted
+            saved = self.generation_config
+            self.generation_config = cfg
+            try:
+                rollout = RLOOModule.rollout(self, batch, 2, seed=123)  # through gathered_for_generation
+            finally:
+                self.generation_config = saved
+                del policy.generate
+            gathered, gathered_kwargs = counter["n"], dict(seen)
+            # control: gather=False, the same different lengths: the policy stays sharded, every forward
+            # all-gathers (the counter sees it) and synced_gpus=True keeps the ranks paired (no hang)
+            counter["n"] = 0
+            policy.generate = counted
+            try:
+                with gathered_for_generation(policy, strategy, gather=False):
+                    ungathered = generate_rollout(policy, self.tokenizer, batch["input_ids"], batch["attention_mask"],
+                                                  batch["prompt"], batch["columns"], 1, cfg, 7)
+            finally:
+                del policy.generate
+            record = {
+                "path": generation_path(policy, strategy),
+                "sharded": sharded_before,
+                "sharded_after": sharded_now(policy),
+                "lengths": rollout.completion_mask.sum(1).long().tolist(),
+                "gathered_collectives": gathered,
+                "ungathered_collectives": counter["n"],
+                "ungathered_lengths": ungathered.completion_mask.sum(1).long().tolist(),
+                "generate_kwargs": gathered_kwargs,
+                "ungathered_generate_kwargs": dict(seen),
+            }
+            (out / f"probe_rank{rank}.json").write_text(json.dumps(record))
+            print(f"probe rank {rank}: {record}", flush=True)
+
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 0 and args.strategy != "ddp":
+                self.probe(batch)
+            return super().training_step(batch, batch_idx)
+
+        def on_before_optimizer_step(self, optimizer) -> None:
+            RLOOModule.on_before_optimizer_step(self, optimizer)
+            if args.strategy == "fsdp1":
+                return
+            grads = {n: full(p.grad).detach().clone() for n, p in self.policy.named_parameters() if p.grad is not None}
+            torch.save(grads, out / f"full_grads_rank{self.global_rank}_step{self.global_step}.pt")
+
+        def on_train_end(self) -> None:
+            if args.strategy == "fsdp1":
+                return
+            state = {n: full(v).detach().clone() for n, v in self.policy.state_dict().items()}
+            torch.save(state, out / f"full_weights_rank{self.global_rank}.pt")
+
+    module = Probed(
+        args.model, reward_funcs=["rloo_lightning.tasks.reverse.reward"], k=4, beta=0.05, max_new_tokens=6,
+        warmup_ratio=0.0, validate_at_start=False, out=str(out),
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
+    )
+    data = PromptDataModule(tokenizer_name_or_path=args.model, task="reverse", batch_size=4,
+                            num_train_rows=64, num_val_rows=4, max_new_tokens=6)
+    if args.strategy == "ddp":
+        strategy = "ddp"
+    elif args.strategy == "fsdp2":
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    else:
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        class CPUFSDPStrategy(FSDPStrategy):
+            """Lightning's FSDPStrategy on CPU, for this test: the accelerator connector refuses a CPU only for the
+            exact type, and FSDP1 needs ``device_id=cpu`` where Lightning passes the device index (None on CPU)."""
+
+            def _setup_model(self, model):
+                from torch.distributed.fsdp import FullyShardedDataParallel
+
+                return FullyShardedDataParallel(
+                    module=model, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
+                    sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"), **self.kwargs)
+
+        strategy = CPUFSDPStrategy(auto_wrap_policy={LlamaDecoderLayer})
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, limit_val_batches=0,
+        num_sanity_val_steps=0, log_every_n_steps=1, logger=CSVLogger(str(out), name="", version=""),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[DropRows(out, 1)],
+    )
+    trainer.fit(module, datamodule=data)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    if sys.argv[1:2] == ["helper"]:
+        _helper_main(sys.argv[2:])
+    else:
+        sys.exit(f"usage: {sys.argv[0]} helper --strategy ddp|fsdp2|fsdp1 --model DIR --out DIR")
