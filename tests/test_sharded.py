@@ -110,9 +110,9 @@ def _cli_fit(name: str, root: Path, model_dir: str, max_steps: int, env: dict, *
     return _Proc(name, [sys.executable, "-m", "rloo_lightning", *args], root, env)
 
 
-def _helper(name: str, root: Path, model_dir: str, strategy: str, env: dict, steps: int = 2) -> _Proc:
+def _helper(name: str, root: Path, model_dir: str, strategy: str, env: dict, steps: int = 2, *extra: str) -> _Proc:
     cmd = [sys.executable, __file__, "helper", "--strategy", strategy, "--model", model_dir,
-           "--out", str(root / "out"), "--steps", str(steps)]
+           "--out", str(root / "out"), "--steps", str(steps), *extra]
     return _Proc(name, cmd, root, env)
 
 
@@ -149,6 +149,9 @@ def runs(tmp_path_factory, tiny_model_dir, _cache_dir):
         "helper_fsdp2": _helper("helper_fsdp2", root / "h_fsdp2", tiny_model_dir, "fsdp2", env),
         "helper_ddp": _helper("helper_ddp", root / "h_ddp", tiny_model_dir, "ddp", env),
         "helper_fsdp1": _helper("helper_fsdp1", root / "h_fsdp1", tiny_model_dir, "fsdp1", env, steps=1),
+        # micro_batch_size under FSDP2: gradient sync off for all but the last micro-batch's backward
+        "helper_fsdp2_micro": _helper("helper_fsdp2_micro", root / "h_fsdp2_micro", tiny_model_dir, "fsdp2", env,
+                                      2, "--micro-batch-size", "5"),
     }
     for p in procs.values():
         p.wait()
@@ -252,8 +255,9 @@ def test_generation_with_different_lengths_per_rank_issues_no_collective(runs, n
 # ---------------------------------------------------------------------------------------------------------------
 # one update under FSDP2 == the DDP update, on the same injected rollout
 # ---------------------------------------------------------------------------------------------------------------
-def test_fsdp2_gradients_and_update_equal_ddp_on_a_fixed_rollout(runs):
-    fsdp2, ddp = _ok(runs, "helper_fsdp2").cwd / "out", _ok(runs, "helper_ddp").cwd / "out"
+@pytest.mark.parametrize("run", ["helper_fsdp2", "helper_fsdp2_micro"])
+def test_fsdp2_gradients_and_update_equal_ddp_on_a_fixed_rollout(runs, run):
+    fsdp2, ddp = _ok(runs, run).cwd / "out", _ok(runs, "helper_ddp").cwd / "out"
     kept = [json.loads(line) for line in (ddp / "kept_rank0.jsonl").read_text().splitlines()]
     kept1 = [json.loads(line) for line in (ddp / "kept_rank1.jsonl").read_text().splitlines()]
     assert kept[1]["kept"] != kept1[1]["kept"]  # step 1: the ranks keep unequal numbers of rows
@@ -508,6 +512,7 @@ def _helper_main(argv: list[str]) -> None:  # pragma: no cover - runs in subproc
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--micro-batch-size", type=int, default=None)
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -617,7 +622,7 @@ def _helper_main(argv: list[str]) -> None:  # pragma: no cover - runs in subproc
 
     module = Probed(
         args.model, reward_funcs=["rloo_lightning.tasks.reverse.reward"], k=4, beta=0.05, max_new_tokens=6,
-        warmup_ratio=0.0, validate_at_start=False, out=str(out),
+        warmup_ratio=0.0, validate_at_start=False, out=str(out), micro_batch_size=args.micro_batch_size,
         optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
     )
     data = PromptDataModule(tokenizer_name_or_path=args.model, task="reverse", batch_size=4,
