@@ -955,7 +955,9 @@ class RLOOModule(LightningModule):
             # TR-DPO / TRL sync_ref_model: the reference trails the policy. Done at the start of the
             # step (= after the previous optimizer step), so a checkpoint written at the end of the
             # previous step and a run resumed from it mix at the same point.
-            mix_into_reference(self.reference.parameters(), self.policy.parameters(), hp.ref_sync_alpha)
+            # A sharded (FSDP2) policy's parameters are gathered first: the reference is replicated.
+            policy = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.policy.parameters()]
+            mix_into_reference(self.reference.parameters(), policy, hp.ref_sync_alpha)
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         self.engine.on_weights_updated(self.policy)  # an engine with its own weights copy resyncs
@@ -1042,21 +1044,30 @@ class RLOOModule(LightningModule):
         """Write the policy and tokenizer in Hugging Face format (``from_pretrained`` loads it).
 
         A LoRA policy is written merged into its base or as the adapter alone (``lora_export``).
+        Under FSDP2 every rank must call this (the full weights are gathered, a collective); rank 0 writes.
         """
         model = self.policy
+        sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
+        full_state = None
+        if sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self._trainer is not None and not self.trainer.is_global_zero:
+            return
         if self.hparams.lora and self.hparams.lora_export == "adapter":
             model.save_pretrained(directory)  # adapter_config.json + adapter weights
             self.tokenizer.save_pretrained(directory)
             return
         if self.hparams.lora:
             model = copy.deepcopy(model).merge_and_unload()
-        if self.hparams.gguf_file:
-            # A GGUF-loaded model refuses save_pretrained: rebuild it from its config, copy the weights in.
+        if self.hparams.gguf_file or sharded:
+            # A GGUF-loaded model refuses save_pretrained, and a sharded one holds shards: rebuild it
+            # from its config and copy the (gathered) weights in.
             from transformers import AutoModelForCausalLM
 
             rebuilt = AutoModelForCausalLM.from_config(model.config)
-            rebuilt.load_state_dict(model.state_dict())
+            rebuilt.load_state_dict(full_state if sharded else model.state_dict())
             model = rebuilt
         model.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
-

@@ -101,6 +101,9 @@ def _cli_fit(name: str, root: Path, model_dir: str, max_steps: int, env: dict, *
         "--data.num_train_rows", "32",
         "--data.num_val_rows", "8",
         "--data.batch_size", "4",
+        # the reference trails the policy (gathered from the shards) and is checkpointed; HF export gathers too
+        "--model.ref_sync_steps", "2",
+        "--trainer.callbacks+=rloo_lightning.callbacks.HFExport",
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
         f"--trainer.callbacks.dirpath={root / 'ckpt'}",
         "--trainer.callbacks.every_n_train_steps=1",
@@ -206,6 +209,16 @@ def test_fsdp2_checkpoint_holds_the_whole_policy_and_no_reference(runs, tmp_path
     assert not [k for k in state if "ref" in k.split(".")[0]], sorted(state)[:10]  # no reference copy
 
 
+def test_fsdp2_hf_export_writes_the_gathered_policy(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    _ok(runs, "a")
+    exported = AutoModelForCausalLM.from_pretrained(runs["root"] / "a" / "lightning_logs" / "version_0" / "hf_model")
+    state = _dcp_to_dict(_ckpt(runs["root"] / "a", STEPS), tmp_path)["state_dict"]
+    for name, value in exported.state_dict().items():
+        torch.testing.assert_close(value, state[f"policy.{name}"], msg=name)
+
+
 def test_fsdp2_resume_from_a_sharded_checkpoint_matches_the_uninterrupted_run(runs, tmp_path):
     """B resumes from A's sharded step-2 checkpoint and runs to step 4: weights and optimizer state equal A's."""
     _ok(runs, "a")
@@ -216,7 +229,10 @@ def test_fsdp2_resume_from_a_sharded_checkpoint_matches_the_uninterrupted_run(ru
     assert torch.load(_ckpt(runs["root"] / "b", STEPS) / "meta.pt", weights_only=False)["global_step"] == STEPS
     b_steps = sorted(int(p.name.split("step=")[1].split(".")[0]) for p in (runs["root"] / "b" / "ckpt").iterdir())
     assert b_steps == list(range(RESUME_AT + 1, STEPS + 1)), b_steps  # B started after the resume point
-    for what in ("state_dict", "optimizer_0"):
+    # ref_sync_steps: the moving reference is part of the checkpoint (meta.pt, beside the sharded state)
+    a_meta, b_meta = (torch.load(_ckpt(runs["root"] / r, STEPS) / "meta.pt", weights_only=False) for r in "ab")
+    a_end["rloo_reference"], b_end["rloo_reference"] = a_meta["rloo_reference"], b_meta["rloo_reference"]
+    for what in ("state_dict", "optimizer_0", "rloo_reference"):
         fa, fb = _flat_tensors(a_end[what]), _flat_tensors(b_end[what])
         assert fa.keys() == fb.keys() and fa, what
         differ = [k for k in fa if not torch.equal(fa[k], fb[k])]

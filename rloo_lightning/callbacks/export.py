@@ -28,14 +28,11 @@ class HFExport(Callback):
     def export_dir(self, trainer: Trainer) -> Path:
         return Path(self.dirpath) if self.dirpath else Path(trainer.log_dir or trainer.default_root_dir) / "hf_model"
 
-    # export_dir runs on every rank: trainer.log_dir is a broadcast, a collective that rank 0 alone would hang in.
+    # Both run on every rank: trainer.log_dir is a broadcast, and under FSDP2 save_pretrained gathers
+    # the weights (collectives that rank 0 alone would hang in); save_pretrained writes on rank 0 only.
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
         if self.on_checkpoint:
-            directory = self.export_dir(trainer) / f"step-{trainer.global_step}"
-            if trainer.is_global_zero:
-                pl_module.save_pretrained(str(directory))
+            pl_module.save_pretrained(str(self.export_dir(trainer) / f"step-{trainer.global_step}"))
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        directory = self.export_dir(trainer)
-        if trainer.is_global_zero:
-            pl_module.save_pretrained(str(directory))
+        pl_module.save_pretrained(str(self.export_dir(trainer)))
