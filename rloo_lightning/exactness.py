@@ -44,7 +44,13 @@ from rloo_lightning.objectives import (
     sequence_kl,
     token_logprobs,
 )
-from rloo_lightning.variants import MovingAverageBaseline, baseline_advantages
+from rloo_lightning.variants import (
+    MovingAverageBaseline,
+    baseline_advantages,
+    kl_per_token,
+    reward_to_go,
+    token_rewards_after_baseline,
+)
 
 __all__ = [
     "Toy",
@@ -64,7 +70,8 @@ __all__ = [
 ]
 
 Baseline = Literal["leave_one_out", "none", "moving_average", "group_mean_std", "group_mean", "group_max"]
-KLMode = Literal["reward_k1_detached", "loss_k1", "loss_k3", "reward_k1_not_detached"]
+KLMode = Literal["reward_k1_detached", "loss_k1", "loss_k3", "reward_k1_not_detached", "token_reward_k1",
+                 "reward_k3_detached"]
 Aggregation = Literal["sequence_sum", "token_mean"]
 ZeroVarianceFilter = Literal["off", "score", "shaped"]
 
@@ -375,7 +382,10 @@ def minibatch_gradients(
             gradient; no KL in the reward), ``reward_k1_not_detached`` (the KL keeps its gradient
             through the advantage *and* the loss does not detach the advantage: ``policy_loss``
             detaches, so this variant forms the same formula without the detach, which is what a
-            hand-written loss that forgets it computes).
+            hand-written loss that forgets it computes); ``token_reward_k1`` (OpenRLHF, the module's
+            ``kl_placement=token_reward``: leave-one-out on r alone, then ``-beta * k1_t`` per token
+            and the advantage at the last token, summed to go); ``reward_k3_detached`` (the module's
+            ``kl_estimator=k3``: ``R = r - beta * sum_t k3_t``, detached, before the baseline).
         aggregation: ``sequence_sum`` (``policy_loss``: ``-1/B sum_i A_i sum_t m_t logp_t``) or
             ``token_mean`` (``-sum_i A_i sum_t m_t logp_t / sum of the minibatch's mask``).
         mask_leak: deliberate bug: the mask also keeps the first padding token after EOS (in the
@@ -416,7 +426,9 @@ def minibatch_gradients(
         shaped = r - beta * sequence_kl(logp.detach(), ref_logp, mask)
     elif kl_mode == "reward_k1_not_detached":
         shaped = r - beta * sequence_kl(logp, ref_logp, mask)
-    elif kl_mode in ("loss_k1", "loss_k3"):
+    elif kl_mode == "reward_k3_detached":
+        shaped = r - beta * masked_sum(kl_per_token(logp.detach(), ref_logp, "k3"), mask)
+    elif kl_mode in ("loss_k1", "loss_k3", "token_reward_k1"):
         shaped = r
     else:
         raise ValueError(f"unknown kl_mode {kl_mode!r}")
@@ -437,7 +449,11 @@ def minibatch_gradients(
     else:
         raise ValueError(f"unknown aggregation {aggregation!r}")
     divisor = per_row.view(n, batch).sum(1).clamp(min=1).repeat_interleave(batch)
-    if kl_mode == "reward_k1_not_detached":
+    if kl_mode == "token_reward_k1":
+        token_kl = kl_per_token(logp.detach(), ref_logp, "k1") * mask
+        token_adv = reward_to_go(token_rewards_after_baseline(adv, token_kl, mask, beta), mask)
+        loss = -(masked_sum(token_adv * logp, mask) / divisor).sum()
+    elif kl_mode == "reward_k1_not_detached":
         loss = -(adv / divisor * masked_sum(logp, mask)).sum()
     elif aggregation == "sequence_sum" and zero_variance_filter == "off":
         loss = policy_loss(adv, logp, mask, num_sequences=batch)  # exactly the module's call

@@ -206,6 +206,23 @@ def test_other_kl_placements_estimate_their_derived_targets(toy, kl_mode):
     assert not z_test(draws, exact_gradient(toy, BETA), ALPHA).unbiased
 
 
+def test_openrlhf_token_reward_placement_is_unbiased_with_k1(toy):
+    """kl_placement=token_reward (OpenRLHF): the KL's reward-to-go keeps causality, and k1's pathwise
+    term E[grad k1] = E[grad log pi] = 0, so it estimates grad J too (with no baseline on the KL part)."""
+    for k in (2, 4):
+        result = check_estimator(toy, k, BETA, num_minibatches=20_000, seed=500 + k, alpha=ALPHA,
+                                 kl_mode="token_reward_k1")
+        assert result.unbiased, result
+
+
+def test_k3_in_the_reward_is_biased(toy):
+    """kl_estimator=k3 with placement reward: the detached k3 sum as a reward drops k3's pathwise
+    gradient, which (unlike k1's) is not zero in expectation."""
+    result = check_estimator(toy, 4, BETA, num_minibatches=20_000, seed=600, alpha=ALPHA,
+                             kl_mode="reward_k3_detached")
+    assert not result.unbiased, result
+
+
 @pytest.mark.parametrize("signal", ["score", "shaped"])
 def test_dropping_zero_variance_groups_and_averaging_over_kept_rows_is_biased(signal):
     """The module divides the loss by the number of kept rows when ZeroVarianceFilter drops groups.
