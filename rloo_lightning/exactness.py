@@ -71,7 +71,7 @@ __all__ = [
 
 Baseline = Literal["leave_one_out", "none", "moving_average", "group_mean_std", "group_mean", "group_max"]
 KLMode = Literal["reward_k1_detached", "loss_k1", "loss_k3", "reward_k1_not_detached", "token_reward_k1",
-                 "reward_k3_detached"]
+                 "reward_k2_detached", "reward_k3_detached"]
 Aggregation = Literal["sequence_sum", "token_mean"]
 ZeroVarianceFilter = Literal["off", "score", "shaped"]
 
@@ -384,8 +384,9 @@ def minibatch_gradients(
             detaches, so this variant forms the same formula without the detach, which is what a
             hand-written loss that forgets it computes); ``token_reward_k1`` (OpenRLHF, the module's
             ``kl_placement=token_reward``: leave-one-out on r alone, then ``-beta * k1_t`` per token
-            and the advantage at the last token, summed to go); ``reward_k3_detached`` (the module's
-            ``kl_estimator=k3``: ``R = r - beta * sum_t k3_t``, detached, before the baseline).
+            and the advantage at the last token, summed to go); ``reward_k2_detached`` /
+            ``reward_k3_detached`` (the module's ``kl_estimator=k2/k3``: ``R = r - beta * sum_t k_t``,
+            detached, before the baseline).
         aggregation: ``sequence_sum`` (``policy_loss``: ``-1/B sum_i A_i sum_t m_t logp_t``) or
             ``token_mean`` (``-sum_i A_i sum_t m_t logp_t / sum of the minibatch's mask``).
         mask_leak: deliberate bug: the mask also keeps the first padding token after EOS (in the
@@ -426,8 +427,9 @@ def minibatch_gradients(
         shaped = r - beta * sequence_kl(logp.detach(), ref_logp, mask)
     elif kl_mode == "reward_k1_not_detached":
         shaped = r - beta * sequence_kl(logp, ref_logp, mask)
-    elif kl_mode == "reward_k3_detached":
-        shaped = r - beta * masked_sum(kl_per_token(logp.detach(), ref_logp, "k3"), mask)
+    elif kl_mode in ("reward_k2_detached", "reward_k3_detached"):
+        estimator = kl_mode.split("_")[1]
+        shaped = r - beta * masked_sum(kl_per_token(logp.detach(), ref_logp, estimator), mask)
     elif kl_mode in ("loss_k1", "loss_k3", "token_reward_k1"):
         shaped = r
     else:

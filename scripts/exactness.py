@@ -44,6 +44,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "kl=loss_k3": {"kl_mode": "loss_k3"},
     "kl=reward_k1_not_detached (bug)": {"kl_mode": "reward_k1_not_detached"},
     "kl=token_reward_k1 (OpenRLHF)": {"kl_mode": "token_reward_k1"},
+    "kl=reward_k2_detached": {"kl_mode": "reward_k2_detached"},
     "kl=reward_k3_detached": {"kl_mode": "reward_k3_detached"},
     "aggregation=token_mean": {"aggregation": "token_mean"},
     "mask_leak (bug)": {"mask_leak": True},

@@ -215,11 +215,11 @@ def test_openrlhf_token_reward_placement_is_unbiased_with_k1(toy):
         assert result.unbiased, result
 
 
-def test_k3_in_the_reward_is_biased(toy):
-    """kl_estimator=k3 with placement reward: the detached k3 sum as a reward drops k3's pathwise
-    gradient, which (unlike k1's) is not zero in expectation."""
-    result = check_estimator(toy, 4, BETA, num_minibatches=20_000, seed=600, alpha=ALPHA,
-                             kl_mode="reward_k3_detached")
+@pytest.mark.parametrize("kl_mode", ["reward_k2_detached", "reward_k3_detached"])
+def test_k2_or_k3_in_the_reward_is_biased(toy, kl_mode):
+    """kl_estimator=k2/k3 with placement reward: the detached sum as a reward drops the estimator's
+    pathwise gradient, which (unlike k1's, E[grad log pi] = 0) is not zero in expectation."""
+    result = check_estimator(toy, 4, BETA, num_minibatches=20_000, seed=600, alpha=ALPHA, kl_mode=kl_mode)
     assert not result.unbiased, result
 
 
