@@ -6,22 +6,11 @@ import pytest
 import torch
 
 from rloo_lightning import RLOOModule
-from rloo_lightning.data import collate_prompts
-
-REWARD = "rloo_lightning.tasks.reverse.reward"
-PROMPTS = ["abc=", "hgfed=", "ab=", "gfedcba="]
+from module_helpers import REWARD, configured_module, prompt_batch
 
 
-def _module(model_dir: str, **kw) -> RLOOModule:
-    m = RLOOModule(model_dir, reward_funcs=[REWARD], k=3, max_new_tokens=6, **kw)
-    m.configure_model()
-    m.log = lambda *a, **kw: None
-    return m
 
-
-def _batch(tok):
-    return collate_prompts([{"input_ids": tok(p)["input_ids"], "prompt": p, "columns": {}} for p in PROMPTS],
-                           tok.pad_token_id)
+_module, _batch = configured_module, prompt_batch
 
 
 def _loss_and_grads(model_dir: str, micro: int | None, beta: float, keep_mask=None):

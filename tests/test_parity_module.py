@@ -15,18 +15,15 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from rloo_lightning import RLOOModule
-from rloo_lightning.data import PromptDataModule, collate_prompts
+from module_helpers import REWARD, configured_module, scored_rollout
 
-REWARD = "rloo_lightning.tasks.reverse.reward"
-PROMPTS = ["abc=", "hgfed=", "ab=", "gfedcba="]
+from rloo_lightning.data import PromptDataModule
+
 K = 3
 
 
 def _module(model_dir: str, **kw) -> RLOOModule:
-    kw = {"beta": 0.2, **kw}
-    m = RLOOModule(model_dir, reward_funcs=[REWARD], k=K, max_new_tokens=6, **kw)
-    m.configure_model()
-    m.log = lambda *a, **kw: None
+    m = configured_module(model_dir, k=K, **{"beta": 0.2, **kw})
     with torch.no_grad():  # move the policy off the reference so that the KL terms are not 0
         gen = torch.Generator().manual_seed(0)
         for p in m.policy.parameters():
@@ -34,13 +31,7 @@ def _module(model_dir: str, **kw) -> RLOOModule:
     return m
 
 
-def _rollout(module):
-    tok = module.tokenizer
-    batch = collate_prompts([{"input_ids": tok(p)["input_ids"], "prompt": p, "columns": {}} for p in PROMPTS],
-                            tok.pad_token_id)
-    rollout = module.rollout(batch, K, seed=5)
-    rollout.rewards = torch.rand(rollout.completion_ids.shape[0], generator=torch.Generator().manual_seed(1))
-    return rollout
+_rollout = scored_rollout
 
 
 def _logps(module, rollout):

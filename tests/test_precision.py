@@ -7,26 +7,17 @@ import torch
 from lightning.pytorch import Trainer
 
 from rloo_lightning import RLOOModule
-from rloo_lightning.data import PromptDataModule, collate_prompts
+from module_helpers import REWARD, configured_module, scored_rollout
 
-REWARD = "rloo_lightning.tasks.reverse.reward"
-PROMPTS = ["abc=", "hgfed=", "ab=", "gfedcba="]
+from rloo_lightning.data import PromptDataModule
+
 
 
 def _module(model_dir: str, **kw) -> RLOOModule:
-    m = RLOOModule(model_dir, reward_funcs=[REWARD], k=3, max_new_tokens=6, beta=0.1, **kw)
-    m.configure_model()
-    m.log = lambda *a, **kw: None
-    return m
+    return configured_module(model_dir, beta=0.1, **kw)
 
 
-def _rollout(module):
-    tok = module.tokenizer
-    batch = collate_prompts([{"input_ids": tok(p)["input_ids"], "prompt": p, "columns": {}} for p in PROMPTS],
-                            tok.pad_token_id)
-    rollout = module.rollout(batch, 3, seed=5)
-    rollout.rewards = torch.rand(rollout.completion_ids.shape[0], generator=torch.Generator().manual_seed(1))
-    return rollout
+_rollout = scored_rollout
 
 
 def _step(module, rollout, precision: str):

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_reliability import _flat_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
@@ -128,15 +129,6 @@ def _dcp_to_dict(folder: Path, tmp: Path) -> dict:
     dcp_to_torch_save(str(folder), str(out))
     return torch.load(out, map_location="cpu", weights_only=False)
 
-
-def _flat_tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return {prefix: obj}
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else []
-    out = {}
-    for k, v in items:
-        out.update(_flat_tensors(v, f"{prefix}/{k}"))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,33 @@
+"""Shared builders for in-process module tests: a configured RLOOModule and a scored rollout of it."""
+
+from __future__ import annotations
+
+import torch
+
+from rloo_lightning import RLOOModule
+from rloo_lightning.data import collate_prompts
+from rloo_lightning.rollout import Rollout
+
+REWARD = "rloo_lightning.tasks.reverse.reward"
+PROMPTS = ["abc=", "hgfed=", "ab=", "gfedcba="]
+
+
+def configured_module(model_dir: str, k: int = 3, **options) -> RLOOModule:
+    """An RLOOModule on ``model_dir`` (reverse-task reward, 6 new tokens) with its models loaded; logging off."""
+    module = RLOOModule(model_dir, reward_funcs=[REWARD], k=k, max_new_tokens=6, **options)
+    module.configure_model()
+    module.log = lambda *a, **kw: None
+    return module
+
+
+def prompt_batch(tokenizer, prompts: list[str] = PROMPTS) -> dict:
+    """A collated batch of ``prompts`` as the data module makes it."""
+    rows = [{"input_ids": tokenizer(p)["input_ids"], "prompt": p, "columns": {}} for p in prompts]
+    return collate_prompts(rows, tokenizer.pad_token_id)
+
+
+def scored_rollout(module: RLOOModule, seed: int = 5, reward_seed: int = 1) -> Rollout:
+    """A real rollout of ``PROMPTS`` (k = the module's k) with rewards drawn uniformly from a seeded generator."""
+    rollout = module.rollout(prompt_batch(module.tokenizer), module.hparams.k, seed=seed)
+    rollout.rewards = torch.rand(rollout.completion_ids.shape[0], generator=torch.Generator().manual_seed(reward_seed))
+    return rollout
