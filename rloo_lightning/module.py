@@ -1066,7 +1066,12 @@ class RLOOModule(LightningModule):
             # from its config and copy the (gathered) weights in.
             from transformers import AutoModelForCausalLM
 
-            rebuilt = AutoModelForCausalLM.from_config(model.config)
+            config = copy.deepcopy(model.config)
+            # The weights written are dequantized: a kept `quantization_config: gguf` would make the
+            # export look quantized (HF's Trainer then refuses to fine-tune it).
+            if getattr(config, "quantization_config", None) is not None:
+                del config.quantization_config
+            rebuilt = AutoModelForCausalLM.from_config(config)
             rebuilt.load_state_dict(full_state if sharded else model.state_dict())
             model = rebuilt
         model.save_pretrained(directory)

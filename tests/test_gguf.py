@@ -47,6 +47,9 @@ def test_gguf_policy_chat_prompts_step_and_export(module, tmp_path):
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    # the export is a plain (dequantized) model: no quantization_config left to make trainers refuse it
+    assert getattr(loaded.config, "quantization_config", None) is None
+    assert "quantization_config" not in (tmp_path / "hf" / "config.json").read_text()
     ref = dict(module.policy.named_parameters())
     for name, p in loaded.named_parameters():
         torch.testing.assert_close(p, ref[name])

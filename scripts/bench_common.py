@@ -1,0 +1,101 @@
+"""Helpers shared by the benchmark's processes (scripts/bench.py, bench_trl.py, bench_bare.py).
+
+Each system runs in its own process, started by scripts/bench.py with ``--spec spec.json --out
+result.json``. The spec fixes the work (model, prompts, reward, sizes, sampling, dtype, threads,
+seed, steps); the result holds one entry per step and the process's peak RSS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from anywhere, without installing
+    sys.path.insert(0, str(ROOT))
+
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+
+
+def child_env(threads: int) -> dict[str, str]:
+    """Environment of every child: offline, same thread count for torch, OpenMP and MKL."""
+    env = dict(os.environ)
+    env.update({
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+def set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set (VmHWM), in MiB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def read_spec(path: str) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def write_result(path: str, result: dict) -> None:
+    import torch
+
+    result.setdefault("peak_rss_mb", peak_rss_mb())
+    result.setdefault("threads", torch.get_num_threads())
+    Path(path).write_text(json.dumps(result, indent=1))
+
+
+def train_rows(spec: dict) -> list[dict]:
+    """The training prompts: the embedded task's rows, as PromptDataModule(task=...) makes them."""
+    from rloo_lightning.tasks import get_task
+
+    return get_task(spec["task"]).make_rows(spec["num_train_rows"], spec["seed"])
+
+
+def reward_fn(spec: dict):
+    """The task's reward function (the quickstart's ``reward_funcs``), by import path."""
+    import importlib
+
+    module, _, name = spec["reward"].rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """Token ids of a prompt as PromptDataModule builds them (``use_chat_template: auto``, no system prompt)."""
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+
+class Clock:
+    """perf_counter with a CUDA sync when CUDA is in use."""
+
+    @staticmethod
+    def now() -> float:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return time.perf_counter()
