@@ -960,7 +960,9 @@ class RLOOModule(LightningModule):
             mix_into_reference(self.reference.parameters(), policy, hp.ref_sync_alpha)
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        self.engine.on_weights_updated(self.policy)  # an engine with its own weights copy resyncs
+        accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
+        if (batch_idx + 1) % accumulate == 0:  # an optimizer step happened: an engine with its own copy resyncs
+            self.engine.on_weights_updated(self.policy)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]

@@ -47,6 +47,18 @@ def test_custom_engine_feeds_the_whole_step(tiny_model_dir):
         assert metrics[f"time/{phase}"] >= 0
 
 
+def test_engine_resyncs_only_after_optimizer_steps(tiny_model_dir):
+    engine = EchoEngine()
+    module = RLOOModule(tiny_model_dir, reward_funcs=[REWARD], k=2, max_new_tokens=6, validate_at_start=False,
+                        generation_engine=engine)
+    data = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, task="reverse", batch_size=3, num_train_rows=12,
+                            num_val_rows=3, max_new_tokens=6)
+    trainer = Trainer(accelerator="cpu", max_steps=2, accumulate_grad_batches=2, limit_val_batches=0, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, datamodule=data)
+    assert len(engine.calls) == 4 and engine.syncs == 2  # 4 rollouts, 2 optimizer steps
+
+
 def test_default_engine_is_hf_generate_and_seeded(tiny_model_dir):
     module = RLOOModule(tiny_model_dir, reward_funcs=[REWARD], k=2, max_new_tokens=6)
     module.configure_model()
