@@ -1,6 +1,9 @@
 """Peak memory of a few RLOO training steps with and without each memory option; prints one JSON object.
 
-    python scripts/memory_report.py [--sizes tiny,smollm2] [--steps N] [--out docs/memory_report.json]
+    python scripts/memory_report.py [--sizes tiny,smollm2] [--steps N] [--malloc default,mmap]
+                                    [--out docs/memory_report.json]
+    python scripts/memory_report.py --merge a.json b.json --out docs/memory_report.json  # several runs in one
+    python scripts/memory_report.py --table docs/memory_report.json                      # Markdown tables
 
 Sizes: ``tiny`` is ``configs/quickstart.yaml`` (the 2-layer ``tiny:reverse`` Llama) with a larger rollout
 (``--tiny-batch-size`` prompts, default 64, x k = 4 = 256 sequences per step) so that activations are not
@@ -23,6 +26,11 @@ run in a scratch directory with ``scripts/`` on ``PYTHONPATH``. Its peak residen
 callback (``scripts/_memory_probe.py``) records the resident set after the model is loaded (and the
 policy cast, under ``bf16-true``), the training phase's own sampled peak, torch's tensor totals and the
 step times. A variant that fails is reported with its error; the others still run.
+
+``--malloc mmap`` runs each variant again with ``MALLOC_MMAP_THRESHOLD_=65536`` (results under
+``variants_mmap``): with glibc's default, memory freed after the update largely stays resident, so RSS
+measures the allocator's high-water mark as much as the tensors; with a fixed mmap threshold RSS follows
+the live tensors and the options' savings show as they would with a returning allocator.
 """
 
 from __future__ import annotations
@@ -221,14 +229,15 @@ def markdown(report: dict) -> str:
                 continue
             env = " ".join(f"{k}={v}" for k, v in MALLOC[malloc].items()) or "default glibc malloc"
             out += [f"**{name}**, {env} ({entry['steps']} steps per variant)", "",
-                    "| variant | peak RSS MB | load RSS MB | peak − load MB | s/step* |",
-                    "|---|---:|---:|---:|---:|"]
+                    "| variant | peak RSS MB | load RSS MB | peak − load MB | RSS after last step MB | s/step* |",
+                    "|---|---:|---:|---:|---:|---:|"]
             for variant, r in entry[key].items():
                 if "error" in r:
-                    out.append(f"| {variant} | failed: `{r['error']}` | | | |")
+                    out.append(f"| {variant} | failed: `{r['error']}` | | | | |")
                     continue
                 out.append(f"| {variant} | {r['peak_rss_mb']:.0f} | {r['load_rss_mb']:.0f} "
-                           f"| {r['peak_minus_load_mb']:.0f} | {r['median_step_s']:.1f} |")
+                           f"| {r['peak_minus_load_mb']:.0f} | {r['rss_after_step_mb'][-1]:.0f} "
+                           f"| {r['median_step_s']:.1f} |")
             out.append("")
     return "\n".join(out)
 
