@@ -43,6 +43,7 @@ from rloo_lightning.variants import (
     sequence_clipped_surrogate,
     token_clipped_surrogate,
     token_rewards_after_baseline,
+    whiten,
 )
 
 __all__ = ["RLOOModule", "NonFiniteError", "warmup_constant_schedule"]
@@ -724,8 +725,8 @@ class RLOOModule(LightningModule):
             rollout.kl = rollout.token_kl.sum(1)
             if hp.kl_placement == "reward":
                 rollout.shaped_rewards = rollout.rewards - self.beta * rollout.kl
-        if hp.normalize_rewards:
-            rollout.shaped_rewards = self._global_standardize(rollout.shaped_rewards, shift_mean=True)
+        if hp.normalize_rewards:  # statistics over every rank's valid rewards
+            rollout.shaped_rewards = whiten(rollout.shaped_rewards, reduce=self.reduce_across_ranks)
         rollout.keep = torch.ones_like(rollout.rewards, dtype=torch.bool)
         if hp.mask_truncated_completions:
             rollout.keep &= ~rollout.truncated
@@ -743,10 +744,8 @@ class RLOOModule(LightningModule):
                                          batch_mean=batch_mean)
         if hp.advantage_clip is not None:
             advantages = advantages.clamp(*hp.advantage_clip)
-        if hp.whiten_advantages:
-            advantages = torch.where(rollout.keep, self._global_standardize(
-                torch.where(rollout.keep, advantages, torch.full_like(advantages, torch.nan)), shift_mean=True),
-                torch.zeros_like(advantages))
+        if hp.whiten_advantages:  # over every rank's kept rows; dropped rows keep advantage 0
+            advantages = whiten(advantages, mask=rollout.keep, reduce=self.reduce_across_ranks)
         rollout.advantages = advantages
         if hp.kl_placement == "token_reward" and rollout.token_kl is not None:
             # OpenRLHF: -beta*kl_t at every token, the advantage at the last one, summed to go (gamma = 1).
@@ -798,17 +797,6 @@ class RLOOModule(LightningModule):
             if name in stats:
                 s, c = rollout.clip_stats.get(name, (0.0, 0.0))
                 rollout.clip_stats[name] = (s + stats[name].detach() * weight, c + weight)
-
-    def _global_standardize(self, values: Tensor, shift_mean: bool) -> Tensor:
-        """``(x - mean) / (std + 1e-4)`` over the valid (non-NaN) values of every rank (Bessel std)."""
-        valid = ~torch.isnan(values)
-        x = torch.nan_to_num(values)
-        sums = self.reduce_across_ranks(torch.stack([x.sum(), (x * x).sum(), valid.sum().float()]))
-        n = sums[2].clamp(min=1)
-        mean = sums[0] / n
-        var = ((sums[1] - n * mean * mean) / (n - 1).clamp(min=1)).clamp(min=0)
-        out = (values - mean if shift_mean else values) / (var.sqrt() + 1e-4)
-        return torch.where(valid, out, values)
 
     def _micro_batched_loss(self, rollout: Rollout, chunks: list[slice], denominators: dict) -> tuple[Tensor, Tensor]:
         """Step 6 one micro-batch at a time: the same loss and gradient as the whole rollout at once.

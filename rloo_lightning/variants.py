@@ -16,7 +16,7 @@ number of sequences (prompts x k, prompt-major: the k completions of prompt ``p`
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import torch
@@ -366,7 +366,8 @@ def token_clipped_surrogate(
 
 
 # -- whitening and normalisation ---------------------------------------------------------------------
-def whiten(values: Tensor, mask: Tensor | None = None, shift_mean: bool = True, eps: float = 1e-4) -> Tensor:
+def whiten(values: Tensor, mask: Tensor | None = None, shift_mean: bool = True, eps: float = 1e-4,
+           reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """Batch whitening ``(v - mean) / (std + eps)`` over the selected entries (TRL ``normalize_advantages``).
 
     Statistics are taken over entries that are unmasked and not ``NaN``, with the unbiased (Bessel)
@@ -380,20 +381,23 @@ def whiten(values: Tensor, mask: Tensor | None = None, shift_mean: bool = True, 
         mask: same shape, 0/1, or ``None`` (all entries).
         shift_mean: if False the mean is added back (scale only), as TRL's old ``masked_whiten``.
         eps: added to the std (TRL: 1e-4).
+        reduce: sums a tensor over data-parallel ranks (e.g. an all-reduce), so that the mean and
+            std are those of every rank's selected entries; None = this tensor's only.
 
     Returns:
         same shape and dtype as ``values``.
     """
+    reduce = reduce or (lambda t: t)
     selected = ~torch.isnan(values)
     if mask is not None:
         if mask.shape != values.shape:
             raise ValueError(f"mask {tuple(mask.shape)} must match values {tuple(values.shape)}")
         selected &= mask.bool()
-    count = selected.sum()
     filled = torch.where(selected, values, torch.zeros_like(values))
-    mean = filled.sum() / count.clamp(min=1)
+    total, count = reduce(torch.stack([filled.sum(), selected.sum().to(filled.dtype)]))
+    mean = total / count.clamp(min=1)
     centred = torch.where(selected, values - mean, torch.zeros_like(values))
-    std = (centred.pow(2).sum() / (count - 1).clamp(min=1)).sqrt()
+    std = (reduce(centred.pow(2).sum()) / (count - 1).clamp(min=1)).sqrt()
     out = centred / (std + eps)
     if not shift_mean:
         out = out + mean
