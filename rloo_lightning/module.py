@@ -754,10 +754,17 @@ class RLOOModule(LightningModule):
                 token_rewards_after_baseline(advantages, rollout.token_kl, loss_mask, float(self.beta)), loss_mask)
 
     def _loss_denominators(self, rollout: Rollout) -> dict:
-        """Global divisors of the loss (kept sequences / kept tokens over all ranks, per rank)."""
-        tokens = (rollout.completion_mask * rollout.keep[:, None]).sum()
-        tokens = self.reduce_across_ranks(tokens, "sum") / self.world_size
-        return {"num_sequences": self._kept_per_rank(rollout.keep), "num_tokens": tokens.clamp(min=1e-8),
+        """Global divisors of the loss: kept sequences and kept tokens over all ranks, per rank (one all-reduce).
+
+        DDP averages gradients over ranks, so dividing each rank's sum by (global count / world
+        size) makes the update the mean over every kept sequence (or token) of the global batch,
+        however they are spread. If nothing is kept the loss is an exact zero that still touches
+        the graph (no DDP hang).
+        """
+        kept = torch.stack([rollout.keep.sum().float(), (rollout.completion_mask * rollout.keep[:, None]).sum()])
+        sequences, tokens = self.reduce_across_ranks(kept, "sum") / self.world_size
+        return {"num_sequences": torch.where(sequences > 0, sequences, torch.ones_like(sequences)),
+                "num_tokens": tokens.clamp(min=1e-8),
                 "norm_constant": self.hparams.loss_norm_constant or self.hparams.max_new_tokens}
 
     def _update_loss(self, rollout: Rollout, rows: slice, logp: Tensor, denominators: dict) -> Tensor:
@@ -862,16 +869,6 @@ class RLOOModule(LightningModule):
         if self.world_size == 1:
             return tensor
         return self.trainer.strategy.reduce(tensor, reduce_op=op)
-
-    def _kept_per_rank(self, keep: Tensor) -> Tensor:
-        """Kept sequences over all ranks divided by the world size.
-
-        DDP averages gradients over ranks, so dividing each rank's sum by this count makes the
-        update the mean over every kept sequence in the global batch, however they are spread.
-        If nothing is kept the loss is an exact zero that still touches the graph (no DDP hang).
-        """
-        kept = self.reduce_across_ranks(keep.sum().float(), "sum") / self.world_size
-        return torch.where(kept > 0, kept, torch.ones_like(kept))
 
     def _call_rollout_hooks(self, hook: str, rollout: Rollout) -> None:
         """Call ``on_rollout`` (may edit) or ``on_rollout_end`` (read-only) on each RolloutHook callback."""

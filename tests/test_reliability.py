@@ -439,7 +439,7 @@ def test_ddp_ranks_get_the_distributed_sampler_shards(ddp_fixed):
 
 def test_ddp_ranks_keep_unequal_numbers_of_rows_at_step_1(ddp_fixed):
     """Step 1 drops rows by a hash of (prompt, sample): the ranks keep different counts, so the
-    gradient check below also covers the ``_kept_per_rank`` normalisation."""
+    gradient check below also covers the kept-rows normalisation (``_loss_denominators``)."""
     kept = {r: {e["step"]: e["kept"] for e in _jsonl(ddp_fixed["ddp"] / f"kept_rank{r}.jsonl")} for r in (0, 1)}
     single = {e["step"]: e["kept"] for e in _jsonl(ddp_fixed["single"] / "kept_rank0.jsonl")}
     assert kept[0][0] == kept[1][0] == 4 * DDP_B and single[0] == 8 * DDP_B

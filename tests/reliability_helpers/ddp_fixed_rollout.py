@@ -56,7 +56,7 @@ class DropRows(RolloutHook):
     """From ``global_step >= from_step`` on, drop the rows (prompt, j) whose hash is 0 mod 3.
 
     A function of the prompt text, so the single process drops the same rows as the ranks; the
-    ranks then keep unequal numbers of rows, which is what ``RLOOModule._kept_per_rank`` is for.
+    ranks then keep unequal numbers of rows, which is what ``RLOOModule._loss_denominators`` divides by.
     Records the number of rows each rank kept in ``kept_rank{r}.jsonl``.
     """
 
