@@ -618,12 +618,12 @@ class RLOOModule(LightningModule):
             raise ValueError("dynamic_sampling needs a data module with sample_batch(num_prompts, seed), "
                              "such as PromptDataModule")
         step = self.global_step
-        parts, found, first_round, rounds = [], 0, None, 0
+        parts, found, first_informative, rounds = [], 0, None, 0
         candidate = rollout
         while True:
             informative = informative_groups(candidate.rewards, hp.k, hp.dynamic_sampling_atol)
-            if first_round is None:
-                first_round = informative.sum().float()
+            if first_informative is None:
+                first_informative = informative
             take = informative.nonzero().flatten().tolist()[: num_groups - found]
             parts.append((candidate, take))
             found += len(take)
@@ -641,13 +641,13 @@ class RLOOModule(LightningModule):
                 self.score(candidate)
                 self.shape_rewards(candidate)
         counts = self.reduce_across_ranks(
-            torch.tensor([float(first_round), float(found), float(num_groups)], device=self.device))
+            torch.tensor([float(first_informative.sum()), float(found), float(num_groups)], device=self.device))
         if counts[1] < counts[2]:
             rank_zero_warn(f"dynamic_sampling: step {step}: {int(counts[1])} of {int(counts[2])} groups (all ranks) "
                            f"informative after dynamic_sampling_max_rounds={hp.dynamic_sampling_max_rounds} extra "
                            "rounds; the batch is topped up with uninformative groups (advantage 0)")
         if found < num_groups:
-            filler = (~informative_groups(rollout.rewards, hp.k, hp.dynamic_sampling_atol)).nonzero().flatten()
+            filler = (~first_informative).nonzero().flatten()
             parts.append((rollout, filler.tolist()[: num_groups - found]))
         self.log("train/dynamic_sampling_rounds", float(rounds), batch_size=num_groups)
         self.log("train/informative_groups", float(counts[0] / counts[2]), batch_size=num_groups)
