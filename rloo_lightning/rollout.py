@@ -76,14 +76,6 @@ class Rollout:
         return [row[:n] for row, n in zip(self.completion_ids.tolist(), lengths)]
 
 
-def _pad_to(x: Tensor, width: int, value: int, left: bool) -> Tensor:
-    extra = width - x.shape[1]
-    if extra == 0:
-        return x
-    fill = torch.full((x.shape[0], extra), value, dtype=x.dtype, device=x.device)
-    return torch.cat([fill, x] if left else [x, fill], dim=1)
-
-
 def concat_groups(parts: list[tuple[Rollout, list[int]]], pad_token_id: int) -> Rollout:
     """A scored rollout made of chosen prompt groups of several scored rollouts, in order.
 
@@ -103,7 +95,8 @@ def concat_groups(parts: list[tuple[Rollout, list[int]]], pad_token_id: int) -> 
     def cat(get, width=None, value=0, left=False):
         pieces = [get(r)[idx] for r, idx in rows]
         if width is not None:
-            pieces = [_pad_to(p, width, value, left) for p in pieces]
+            pieces = [torch.nn.functional.pad(p, (width - p.shape[1], 0) if left else (0, width - p.shape[1]),
+                                              value=value) for p in pieces]
         return torch.cat(pieces)
 
     names = list(rows[0][0].scores)
