@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -256,7 +258,6 @@ class HFGenerateEngine(GenerationEngine):
     """``model.generate`` with the KV cache, in eval mode, stopping when every row has ended."""
 
     def generate(self, model, tokenizer, prompt_ids, prompt_mask, generation_config, seed):
-        devices = [prompt_ids.device] if prompt_ids.device.type == "cuda" else []
         # A peft wrapper generates with its base model's generation_config.
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         was_training, shipped = model.training, base.generation_config
@@ -265,8 +266,7 @@ class HFGenerateEngine(GenerationEngine):
         base.generation_config = GenerationConfig()
         model.eval()  # eval: no dropout, and transformers keeps the KV cache even when checkpointing
         try:
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(seed)
+            with _seeded_global_rng(seed, prompt_ids.device):
                 out = model.generate(
                     input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config,
                     tokenizer=tokenizer if generation_config.stop_strings else None,
@@ -275,6 +275,29 @@ class HFGenerateEngine(GenerationEngine):
             model.train(was_training)
             base.generation_config = shipped
         return out[:, prompt_ids.shape[1] :]
+
+
+@contextlib.contextmanager
+def _seeded_global_rng(seed: int, device: torch.device) -> Iterator[None]:
+    """The global RNG of ``device`` (and the CPU's) seeded with ``seed`` inside, restored after.
+
+    Not ``fork_rng`` + ``torch.manual_seed``: those seed every accelerator type torch knows of, and on
+    a machine where CUDA is not initialised each call formats a stack trace (``torch.cuda._lazy_call``),
+    about a millisecond per step for nothing.
+    """
+    cpu_state = torch.get_rng_state()
+    cuda = device.type == "cuda"
+    cuda_state = torch.cuda.get_rng_state(device) if cuda else None
+    torch.default_generator.manual_seed(seed)
+    if cuda:
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        if cuda:
+            torch.cuda.set_rng_state(cuda_state, device)
 
 
 @torch.no_grad()
@@ -289,6 +312,7 @@ def generate_rollout(
     generation_config: GenerationConfig,
     seed: int,
     engine: GenerationEngine | None = None,
+    grad_free=None,
 ) -> Rollout:
     """Sample ``k`` completions per prompt with the explicit config, from a seeded RNG stream.
 
@@ -296,15 +320,19 @@ def generate_rollout(
         model: the Hugging Face causal LM itself (not a strategy wrapper: DDP has no ``generate``).
         input_ids, attention_mask: ``[N, P]`` left-padded prompts.
         k: completions per prompt; the k copies of a prompt are contiguous (prompt-major).
-        seed: the sampling seed; the global RNG is left as it was (``fork_rng``).
+        seed: the sampling seed; the global RNG is left as it was.
         engine: what samples (default :class:`HFGenerateEngine`).
-
-    ``torch.no_grad`` and not ``inference_mode``: tensors made here enter the autograd graph later.
+        grad_free: the context the engine runs in (default ``torch.no_grad``; the module passes
+            ``torch.inference_mode`` for an unsharded policy). Its ids are copied out of it: tensors
+            made here enter the autograd graph later, which inference tensors cannot.
     """
     prompt_ids = input_ids.repeat_interleave(k, dim=0)
     prompt_mask = attention_mask.repeat_interleave(k, dim=0)
     engine = engine or HFGenerateEngine()
-    completion_ids = engine.generate(model, tokenizer, prompt_ids, prompt_mask, generation_config, seed)
+    with grad_free if grad_free is not None else torch.no_grad():
+        completion_ids = engine.generate(model, tokenizer, prompt_ids, prompt_mask, generation_config, seed)
+    if completion_ids.is_inference():
+        completion_ids = completion_ids.clone()
     eos = generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos)
     mask = completion_mask(completion_ids, eos)
