@@ -88,9 +88,15 @@ def _fsdp1_units(model: nn.Module) -> list[nn.Module]:
 def generation_path(model: nn.Module, strategy: Any = None) -> GenerationPath:
     """How :func:`gathered_for_generation` treats ``model``: by the strategy's type when there is one
     (``ModelParallelStrategy`` -> ``fsdp2``, ``FSDPStrategy`` -> ``fsdp``, ``DeepSpeedStrategy`` at stage 3 ->
-    ``deepspeed_zero3``, anything else -> ``none``), else by what the model holds (FSDP2 modules, FSDP units,
-    ZeRO-3 partitioned parameters)."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+    ``deepspeed_zero3``, ``SingleDeviceStrategy`` / ``DDPStrategy`` themselves -> ``none``), else (no strategy, or
+    another one) by what the model holds (FSDP2 modules, FSDP units, ZeRO-3 partitioned parameters)."""
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        DeepSpeedStrategy,
+        FSDPStrategy,
+        ModelParallelStrategy,
+        SingleDeviceStrategy,
+    )
 
     if isinstance(strategy, DeepSpeedStrategy):
         return "deepspeed_zero3" if is_zero3(strategy) else "none"  # ZeRO-1/2: whole parameters everywhere
@@ -98,6 +104,8 @@ def generation_path(model: nn.Module, strategy: Any = None) -> GenerationPath:
         return "fsdp"
     if isinstance(strategy, ModelParallelStrategy):
         return "fsdp2"
+    if type(strategy) in (SingleDeviceStrategy, DDPStrategy):
+        return "none"  # whole parameters on every rank; and no scan of every module and parameter, twice a step
     if _fsdp2_modules(model):
         return "fsdp2"
     if _fsdp1_units(model):

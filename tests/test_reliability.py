@@ -517,9 +517,11 @@ def _check_checkpoint_folder(folder: Path) -> dict[Path, int]:
         assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values()), f.name
         steps[f] = step
     named = [s for f, s in steps.items() if _step_of(f) is not None]
-    if "last.ckpt" in {f.name for f in steps} and named:
-        # last.ckpt is written right after the step file: at most one step behind it
-        assert steps[folder / "last.ckpt"] >= max(named) - 1, steps
+    lasts = [s for f, s in steps.items() if f.name.startswith("last")]  # last.ckpt, or last-v1.ckpt if versioned
+    if lasts and named:
+        # last*.ckpt is written right after the step file: at most one step behind it
+        listing = {f.name: s for f, s in steps.items()}
+        assert max(lasts) >= max(named) - 1, f"a stale last checkpoint: {listing}"
     return steps
 
 

@@ -325,6 +325,9 @@ def test_generation_path_dispatches_on_the_strategy_type(tiny_policy):
     # without a strategy: by what the model holds (ZeRO-3 partitioned parameters carry ds_id)
     next(tiny_policy.parameters()).ds_id = 0
     assert generation_path(tiny_policy, None) == "deepspeed_zero3"
+    # Lightning's own unsharded strategies are taken at their word: no scan of the model (twice a step)
+    assert generation_path(tiny_policy, _bare(SingleDeviceStrategy)) == "none"
+    assert generation_path(tiny_policy, _bare(DDPStrategy)) == "none"
 
 
 def test_unsharded_generation_is_untouched(tiny_policy):
