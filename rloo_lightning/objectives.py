@@ -102,8 +102,16 @@ class _TokenLogprob(torch.autograd.Function):
         return grad.view(logits.shape), None, None, None
 
 
+CHUNK_ELEMENTS = 1 << 24  # fp32 elements of one [rows, V] temporary: 64 MiB, whatever the vocabulary
+
+
+def _chunk_rows(chunk_size: int | None, vocab: int) -> int:
+    """Rows of ``[N, V]`` logits per chunk: ``chunk_size``, or as many as fit in ``CHUNK_ELEMENTS``."""
+    return int(chunk_size) if chunk_size else max(1, CHUNK_ELEMENTS // vocab)
+
+
 def token_logprobs(
-    logits: Tensor, tokens: Tensor, temperature: float = 1.0, chunk_size: int = 1024
+    logits: Tensor, tokens: Tensor, temperature: float = 1.0, chunk_size: int | None = None
 ) -> Tensor:
     """Per-token log-probabilities ``log softmax(logits / temperature)[token]`` in fp32.
 
@@ -116,6 +124,8 @@ def token_logprobs(
         tokens: ``[B, T]`` long.
         temperature: ``> 0``.
         chunk_size: rows of ``B*T`` processed at once; bounds the fp32 ``[chunk, V]`` temporaries.
+            Default: ``CHUNK_ELEMENTS // V`` rows (64 MiB a temporary: 341 rows for a 49k vocabulary,
+            110 for a 151k one), so the transient memory does not grow with the vocabulary.
 
     Returns:
         ``[B, T]`` fp32 log-probs, differentiable w.r.t. ``logits``.
@@ -126,21 +136,23 @@ def token_logprobs(
         raise ValueError(
             f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} disagree on [B, T]"
         )
-    return _TokenLogprob.apply(logits, tokens.long(), float(temperature), int(chunk_size))
+    return _TokenLogprob.apply(logits, tokens.long(), float(temperature), _chunk_rows(chunk_size, logits.shape[-1]))
 
 
 @torch.no_grad()
-def token_entropy(logits: Tensor, temperature: float = 1.0, chunk_size: int = 1024) -> Tensor:
+def token_entropy(logits: Tensor, temperature: float = 1.0, chunk_size: int | None = None) -> Tensor:
     """Entropy of ``softmax(logits / temperature)`` at every position (a metric, no gradient).
 
     Args:
         logits: ``[B, T, V]``.
+        chunk_size: rows of ``B*T`` at once (default: as :func:`token_logprobs`, 64 MiB temporaries).
 
     Returns:
         ``[B, T]`` fp32 entropies in nats (always ``>= 0``).
     """
     flat = logits.reshape(-1, logits.shape[-1])
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    chunk_size = _chunk_rows(chunk_size, flat.shape[1])
     for s in range(0, flat.shape[0], chunk_size):
         logp = torch.log_softmax(flat[s : s + chunk_size].float() / temperature, dim=-1)
         out[s : s + chunk_size] = -(logp.exp() * logp).sum(-1)

@@ -32,6 +32,18 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _rss_high_water_mb() -> float | None:
+    """This process's peak resident set so far, in MiB (``VmHWM`` of /proc/self/status; None if unreadable)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 class _Phase:
     __slots__ = ("timer", "name", "start")
 
@@ -90,7 +102,8 @@ class StepTimer(Callback):
          "total_s": on_train_batch_start -> on_train_batch_end,
          "backward_s": on_before_backward -> on_after_backward,
          "optimizer_s": on_before_optimizer_step -> on_train_batch_end (optimizer and scheduler step),
-         "phases": the module's ``timer.pop()`` (e.g. generation, reward, policy_forward, reference), or {}}
+         "phases": the module's ``timer.pop()`` (e.g. generation, reward, policy_forward, reference), or {},
+         "rss_hwm_mb": the process's peak resident set so far (Linux ``VmHWM``; None elsewhere)}
 
     Phase totals accumulated between steps (e.g. validation) are discarded at each step's start. If
     the module pops its own timer during the step, its last pop (``timer.last``) is used instead.
@@ -154,6 +167,7 @@ class StepTimer(Callback):
             "backward_s": self._backward,
             "optimizer_s": end - self._optimizer_start if self._optimizer_start is not None else 0.0,
             "phases": phases,
+            "rss_hwm_mb": _rss_high_water_mb(),
         })
         self._start = None
 

@@ -29,7 +29,8 @@ instead); (b) and (c) load an HF directory rebuilt from it by our loader (``from
 Prints one JSON object (and writes it to ``--out`` if given). Per size: ``step_s`` {a, b, c} (median
 over the steps after warm-up, all seeds pooled), ``ratio_vs_trl`` (a/b), ``ratio_vs_bare`` (a/c),
 ``tokens_per_s`` {a, b, c} (completion tokens, EOS included, over the timed steps / their time),
-``peak_rss_mb`` {a, b}, ``split`` (median seconds per part of (a)'s step), and in the full run
+``peak_rss_mb`` {a, b} (whole process), ``peak_rss_mb_through_steps`` {a} (at its last step's end: before
+the end-of-fit checkpoint), ``split`` (median seconds per part of (a)'s step), and in the full run
 ``reward_end`` {a: [...], b: [...]} (per seed: mean train reward over the last ``REWARD_END_STEPS``
 steps). ``meta`` holds the configuration, versions, counts, start-to-start step times (``cycle_s``,
 which include what falls between two step windows: data loading, logger writes, progress bar) and notes.
@@ -276,6 +277,13 @@ def _aggregate(size: str, runs: dict[str, list[dict]], warmup: int, full: bool) 
         values = [r["peak_rss_mb"] for r in runs.get(x, []) if "peak_rss_mb" in r]
         return _r(max(values), 1) if values else None
 
+    def rss_through_steps(x):
+        """(a) only: the peak resident set at its last step's end (StepTimer's VmHWM), before the end-of-fit
+        checkpoint, which Lightning serialises into memory first (io.BytesIO, then a copy of its bytes)."""
+        values = [r["steps"][-1].get("rss_hwm_mb") for r in runs.get(x, []) if r.get("steps")]
+        values = [v for v in values if v is not None]
+        return _r(max(values), 1) if values else None
+
     def cycle(x):
         gaps = []
         for r in runs.get(x, []):
@@ -289,6 +297,7 @@ def _aggregate(size: str, runs: dict[str, list[dict]], warmup: int, full: bool) 
         "ratio_vs_bare": ratio("a", "c"),
         "tokens_per_s": {x: rate(x) for x in SYSTEMS},
         "peak_rss_mb": {"a": rss("a"), "b": rss("b")},
+        "peak_rss_mb_through_steps": {"a": rss_through_steps("a")},
         "split": _split(timed["a"]) if timed["a"] else None,
     }
     if full:

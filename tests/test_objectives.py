@@ -325,3 +325,26 @@ def test_policy_loss_ignores_nonfinite_logp_at_masked_positions():
     assert loss.item() == pytest.approx(1.0)
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-1.0, 0.0]]))
+
+
+def test_default_chunks_are_bounded_by_elements_not_rows(monkeypatch):
+    """The default chunk holds CHUNK_ELEMENTS fp32 values whatever the vocabulary; results and gradients are
+    those of the unchunked computation."""
+    from rloo_lightning import objectives
+
+    assert objectives._chunk_rows(None, 49152) == (1 << 24) // 49152 == 341
+    assert objectives._chunk_rows(None, 151936) == 110 and objectives._chunk_rows(None, 1 << 30) == 1
+    assert objectives._chunk_rows(7, 49152) == 7
+    monkeypatch.setattr(objectives, "CHUNK_ELEMENTS", 12)  # V = 5: 2 rows a chunk, 8 positions -> 4 chunks
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 5, (2, 4), generator=g)
+    logp = token_logprobs(logits, tokens, temperature=0.7)
+    naive = torch.log_softmax(logits / 0.7, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    torch.testing.assert_close(logp, naive.float(), rtol=1e-6, atol=1e-6)
+    (grad,) = torch.autograd.grad(logp.sum(), logits)
+    (naive_grad,) = torch.autograd.grad(naive.sum(), logits)
+    torch.testing.assert_close(grad, naive_grad, rtol=1e-5, atol=1e-6)
+    p = torch.softmax(logits.detach() / 0.7, -1)
+    torch.testing.assert_close(token_entropy(logits.detach(), 0.7), -(p * p.log()).sum(-1).float(),
+                               rtol=1e-6, atol=1e-6)

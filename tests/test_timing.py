@@ -86,7 +86,8 @@ def test_step_timer_writes_one_entry_per_step(tmp_path, tiny_model_dir):
     steps = json.loads(path.read_text())["steps"]
     assert [s["step"] for s in steps] == [0, 1]
     for s in steps:
-        assert set(s) == {"step", "t_start", "total_s", "backward_s", "optimizer_s", "phases"}
+        assert set(s) == {"step", "t_start", "total_s", "backward_s", "optimizer_s", "phases", "rss_hwm_mb"}
+        assert s["rss_hwm_mb"] > 10  # a torch process holds more than 10 MiB resident
         assert s["total_s"] > 0 and s["backward_s"] > 0 and s["optimizer_s"] > 0
         assert s["backward_s"] + s["optimizer_s"] <= s["total_s"]
     assert steps[0]["t_start"] == 0 and steps[1]["t_start"] > 0
