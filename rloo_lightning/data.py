@@ -271,6 +271,15 @@ class PromptDataModule(LightningDataModule):
     def _collate(self):
         return partial(collate_prompts, pad_token_id=self.tokenizer.pad_token_id)
 
+    def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
+        """Only the tensors of a prompt batch move; its strings and columns stay as they are.
+
+        Lightning's default walks every string of ``prompt`` and ``columns`` each step.
+        """
+        if isinstance(batch, dict) and "input_ids" in batch:
+            return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
     def train_dataloader(self) -> DataLoader:
         """Shuffled prompts from a :class:`ResumableSampler` whose position follows the trainer's step."""
         hp = self.hparams

@@ -962,15 +962,6 @@ class RLOOModule(LightningModule):
             for key in base - checkpoint["state_dict"].keys():
                 checkpoint["state_dict"][key] = current[key]
 
-    def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
-        """Only the tensors of a prompt batch move; its strings and columns stay as they are.
-
-        Lightning's default walks every string of ``prompt`` and ``columns`` each step.
-        """
-        if isinstance(batch, dict) and "input_ids" in batch:
-            return {key: value.to(device) if isinstance(value, Tensor) else value for key, value in batch.items()}
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
-
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         hp = self.hparams
         step = self.global_step

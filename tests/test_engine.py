@@ -119,10 +119,12 @@ def test_sampling_and_reference_run_grad_free_and_hand_back_normal_tensors(tiny_
 
 
 def test_batch_transfer_moves_tensors_and_leaves_strings(tiny_model_dir):
-    from module_helpers import configured_module, prompt_batch
+    from module_helpers import prompt_batch
 
-    module = configured_module(tiny_model_dir, k=2)
-    batch = prompt_batch(module.tokenizer)
-    moved = module.transfer_batch_to_device(batch, torch.device("cpu"), 0)
+    from rloo_lightning.models import load_tokenizer
+
+    data = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, task="reverse", batch_size=2)
+    batch = prompt_batch(load_tokenizer(tiny_model_dir))
+    moved = data.transfer_batch_to_device(batch, torch.device("cpu"), 0)
     assert moved["prompt"] is batch["prompt"] and moved["columns"] is batch["columns"]
     assert torch.equal(moved["input_ids"], batch["input_ids"]) and moved["input_ids"].device.type == "cpu"
