@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback
 
-__all__ = ["PhaseTimer", "StepTimer"]
+__all__ = ["PhaseTimer", "StepTimer", "peak_rss_mb"]
 
 _NULL = nullcontext()  # reusable and reentrant: the one context a disabled timer hands out
 
@@ -32,7 +32,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _rss_high_water_mb() -> float | None:
+def peak_rss_mb() -> float | None:
     """This process's peak resident set so far, in MiB (``VmHWM`` of /proc/self/status; None if unreadable)."""
     try:
         with open("/proc/self/status") as status:
@@ -167,7 +167,7 @@ class StepTimer(Callback):
             "backward_s": self._backward,
             "optimizer_s": end - self._optimizer_start if self._optimizer_start is not None else 0.0,
             "phases": phases,
-            "rss_hwm_mb": _rss_high_water_mb(),
+            "rss_hwm_mb": peak_rss_mb(),
         })
         self._start = None
 

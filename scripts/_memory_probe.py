@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback
 
+from rloo_lightning.timing import peak_rss_mb
+
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _MIB = 1024 * 1024
 
@@ -40,11 +42,9 @@ def rss_mb() -> float:
 
 
 def hwm_mb() -> float:
-    """High-water mark of this process's resident set (VmHWM), MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    """High-water mark of this process's resident set (VmHWM), MiB; NaN if unreadable."""
+    hwm = peak_rss_mb()
+    return float("nan") if hwm is None else hwm
 
 
 def _storage_bytes(tensors) -> int:

@@ -43,7 +43,11 @@ def set_threads(threads: int) -> None:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set (VmHWM), in MiB."""
+    """This process's peak resident set (VmHWM), in MiB.
+
+    Not ``rloo_lightning.timing.peak_rss_mb``: importing the package (and Lightning) into TRL's and the bare
+    loop's processes would add to the very peak measured here.
+    """
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
