@@ -1,0 +1,62 @@
+"""Run the unchanged quickstart once (fresh model cache) and record every logged scalar at full precision.
+
+    python scripts/quickstart_trajectory.py --out docs/quickstart_trajectory.json
+    python scripts/quickstart_trajectory.py --compare docs/quickstart_trajectory.json
+
+``--compare`` runs it again and reports, per tag, the largest absolute difference at any logged step
+against the recorded file (0.0 everywhere = bit-identical trajectories). Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TAGS = ["val/reward", "val/reward_greedy", "train/reward", "train/kl", "train/loss", "train/completion_length"]
+
+
+def run() -> dict[str, list[list[float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "RLOO_LIGHTNING_CACHE": str(Path(tmp) / "cache")}  # the tiny model built anew
+        cmd = [sys.executable, "-m", "rloo_lightning", "fit", "--config", str(ROOT / "configs" / "quickstart.yaml"),
+               "--trainer.default_root_dir", tmp, "--trainer.enable_progress_bar", "false"]
+        subprocess.run(cmd, check=True, cwd=tmp, env=env, stdout=subprocess.DEVNULL)
+        acc = EventAccumulator(str(Path(tmp) / "lightning_logs" / "version_0"), size_guidance={"scalars": 0})
+        acc.Reload()
+        have = set(acc.Tags()["scalars"])
+        return {t: [[e.step, e.value] for e in acc.Scalars(t)] for t in TAGS if t in have}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--compare", type=Path)
+    args = parser.parse_args()
+    curves = run()
+    report: dict = {"val/reward": curves["val/reward"]}
+    if args.out:
+        args.out.write_text(json.dumps(curves, indent=1) + "\n")
+    if args.compare:
+        recorded = json.loads(args.compare.read_text())
+        diffs = {}
+        for tag, points in recorded.items():
+            now = dict((s, v) for s, v in curves.get(tag, []))
+            then = dict((s, v) for s, v in points)
+            if set(now) != set(then):
+                diffs[tag] = f"logged steps differ: {sorted(set(now) ^ set(then))[:10]}"
+            else:
+                diffs[tag] = max(abs(now[s] - then[s]) for s in then)
+        report["max_abs_diff"] = diffs
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
