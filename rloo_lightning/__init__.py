@@ -1,22 +1,26 @@
 """rloo_lightning: RLOO post-training for causal LMs with PyTorch Lightning."""
-from rloo_lightning.objectives import (
-    completion_mask,
-    leave_one_out_advantages,
-    masked_mean,
-    masked_sum,
-    pass_at_k,
-    policy_loss,
-    sequence_kl,
-    token_entropy,
-    token_logprobs,
-)
 
-__version__ = "0.1.0"
+from rloo_lightning.advantages import leave_one_out_advantages
 from rloo_lightning.callbacks import RolloutHook, ValidateAtStart
+from rloo_lightning.config import (
+    AdvantageArgs,
+    DynamicSamplingArgs,
+    KLArgs,
+    PolicyArgs,
+    RewardArgs,
+    SamplingArgs,
+    ShapingArgs,
+    UpdateArgs,
+    ValidationArgs,
+)
 from rloo_lightning.data import PromptDataModule
+from rloo_lightning.logprobs import completion_mask, masked_sum, token_entropy, token_logprobs
+from rloo_lightning.metrics import pass_at_k
 from rloo_lightning.module import RLOOModule
 from rloo_lightning.rewards import RewardSet
 from rloo_lightning.rollout import Rollout
+
+__version__ = "0.1.0"
 
 __all__ = [
     "RLOOModule",
@@ -25,13 +29,19 @@ __all__ = [
     "RolloutHook",
     "ValidateAtStart",
     "RewardSet",
+    "RewardArgs",
+    "SamplingArgs",
+    "ShapingArgs",
+    "KLArgs",
+    "AdvantageArgs",
+    "UpdateArgs",
+    "DynamicSamplingArgs",
+    "ValidationArgs",
+    "PolicyArgs",
     "leave_one_out_advantages",
     "token_logprobs",
     "token_entropy",
     "completion_mask",
     "masked_sum",
-    "masked_mean",
-    "sequence_kl",
-    "policy_loss",
     "pass_at_k",
 ]

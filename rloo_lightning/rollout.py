@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig
 
-from rloo_lightning.objectives import completion_mask
+from rloo_lightning.logprobs import completion_mask
 
 __all__ = ["Rollout", "GenerationEngine", "HFGenerateEngine", "concat_groups", "sampling_config", "default_eos_ids",
            "derive_seed", "generate_rollout", "stop_string_ends"]

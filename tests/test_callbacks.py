@@ -14,7 +14,7 @@ from lightning.pytorch import Trainer
 
 from rloo_lightning import RLOOModule
 from rloo_lightning.callbacks import KLMonitor, SampleLogger, ZeroVarianceFilter
-from rloo_lightning.callbacks.filter import informative_groups
+from rloo_lightning.advantages import informative_groups
 from rloo_lightning.callbacks.kl import adaptive_beta
 from rloo_lightning.objectives import group_std
 from rloo_lightning.data import collate_prompts

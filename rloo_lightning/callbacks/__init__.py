@@ -1,60 +1,10 @@
-"""Callbacks: the rollout hook, and the validation pass before the first update."""
+"""Callbacks: the rollout hook, validation at step 0, filtering, KL control, statistics, export."""
 
-from __future__ import annotations
+from rloo_lightning.callbacks.base import RolloutHook, ValidateAtStart
+from rloo_lightning.callbacks.export import HFExport
+from rloo_lightning.callbacks.filter import ZeroVarianceFilter
+from rloo_lightning.callbacks.kl import KLMonitor
+from rloo_lightning.callbacks.stats import RewardVarianceLogger, SampleLogger
 
-import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
-from torchmetrics import MeanMetric
-
-__all__ = ["RolloutHook", "ValidateAtStart"]
-
-
-class RolloutHook(Callback):
-    """A callback that sees each rollout between scoring and the advantages.
-
-    Lightning has no hook there; :class:`rloo_lightning.RLOOModule` calls ``on_rollout`` on every
-    trainer callback that subclasses this one, in the trainer's callback order.
-
-    At that point ``rollout.scores``, ``rollout.rewards`` (task reward r), ``rollout.kl`` (None when
-    beta == 0) and ``rollout.shaped_rewards`` (r - beta*kl, what the baseline uses) are set, and
-    ``rollout.keep`` is all True. A hook may edit ``shaped_rewards`` or set rows of ``keep`` to
-    False: dropped rows get advantage 0 and leave the loss's average.
-    """
-
-    def on_rollout(self, trainer: Trainer, pl_module: LightningModule, rollout) -> None:
-        """Read or edit ``rollout`` (a :class:`rloo_lightning.rollout.Rollout`) before the advantages."""
-
-    def on_rollout_end(self, trainer: Trainer, pl_module: LightningModule, rollout) -> None:
-        """Read ``rollout`` after the advantages (``rollout.advantages``) and the loss are computed."""
-
-
-class ValidateAtStart(Callback):
-    """Evaluate the validation prompts before the first update and log ``val/*`` at step 0.
-
-    Lightning's sanity check runs validation but discards its metrics, so the starting point of
-    every ``val/`` curve would be missing. Skipped on resume (global step > 0).
-    """
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.global_step > 0 or trainer.datamodule is None:
-            return
-        loader = trainer.datamodule.val_dataloader()
-        means: dict[str, MeanMetric] = {}
-        with torch.no_grad():
-            for batch_idx, batch in enumerate(loader):
-                batch = pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
-                for name, values in pl_module.evaluate_batch(batch, batch_idx).items():
-                    means.setdefault(name, MeanMetric(nan_strategy="ignore").to(pl_module.device)).update(values)
-        # MeanMetric.compute reduces sums and counts across ranks.
-        metrics = {f"val/{name}": metric.compute().item() for name, metric in means.items()}
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=0)
-        pl_module.print(f"validation before training: {metrics}")
-
-
-from rloo_lightning.callbacks.export import HFExport  # noqa: E402
-from rloo_lightning.callbacks.filter import ZeroVarianceFilter  # noqa: E402
-from rloo_lightning.callbacks.kl import KLMonitor  # noqa: E402
-from rloo_lightning.callbacks.stats import RewardVarianceLogger, SampleLogger  # noqa: E402
-
-__all__ += ["HFExport", "ZeroVarianceFilter", "KLMonitor", "RewardVarianceLogger", "SampleLogger"]
+__all__ = ["RolloutHook", "ValidateAtStart", "HFExport", "ZeroVarianceFilter", "KLMonitor", "RewardVarianceLogger",
+           "SampleLogger"]

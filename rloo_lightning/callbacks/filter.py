@@ -7,27 +7,10 @@ from typing import Literal
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
-from rloo_lightning.callbacks import RolloutHook
+from rloo_lightning.advantages import informative_groups
+from rloo_lightning.callbacks.base import RolloutHook
 
-__all__ = ["ZeroVarianceFilter", "informative_groups"]
-
-
-def informative_groups(values: torch.Tensor, k: int, atol: float = 0.0) -> torch.Tensor:
-    """Which prompt groups carry a reward signal.
-
-    Args:
-        values: ``[N*k]`` rewards, prompt-major; NaN = missing.
-        k: group size.
-        atol: spreads ``max - min <= atol`` count as zero variance.
-
-    Returns:
-        ``[N]`` bool: at least two valid rewards that are not all equal.
-    """
-    groups = values.view(-1, k)
-    valid = ~torch.isnan(groups)
-    hi = torch.where(valid, groups, torch.full_like(groups, -torch.inf)).amax(1)
-    lo = torch.where(valid, groups, torch.full_like(groups, torch.inf)).amin(1)
-    return (valid.sum(1) >= 2) & ((hi - lo) > atol)
+__all__ = ["ZeroVarianceFilter"]
 
 
 class ZeroVarianceFilter(RolloutHook):

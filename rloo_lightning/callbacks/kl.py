@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
-from rloo_lightning.callbacks import RolloutHook
+from rloo_lightning.callbacks.base import RolloutHook
 
 __all__ = ["KLMonitor", "adaptive_beta"]
 
@@ -64,7 +64,7 @@ class KLMonitor(RolloutHook):
         self.limit_hits: list[tuple[int, float]] = []
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit" and float(pl_module.hparams.beta) == 0.0:
+        if stage == "fit" and float(pl_module.cfg.kl.beta) == 0.0:
             raise ValueError(
                 "KLMonitor needs a reference model, but model.beta = 0 loads none; set model.beta > 0 "
                 "(the adaptive controller cannot start from beta = 0 either)"

@@ -6,8 +6,8 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from rloo_lightning.callbacks import RolloutHook
-from rloo_lightning.objectives import group_std
+from rloo_lightning.callbacks.base import RolloutHook
+from rloo_lightning.advantages import group_std
 
 __all__ = ["RewardVarianceLogger", "SampleLogger"]
 

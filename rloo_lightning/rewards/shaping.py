@@ -20,7 +20,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["missing_eos_penalty", "overlong_penalty", "clip_rewards"]
+__all__ = ["missing_eos_penalty", "overlong_penalty", "clip_rewards", "shape_rewards"]
 
 
 def missing_eos_penalty(rewards: Tensor, truncated: Tensor, penalty: float) -> Tensor:
@@ -100,3 +100,26 @@ def clip_rewards(rewards: Tensor, low: float, high: float) -> Tensor:
     if not low <= high:
         raise ValueError(f"reward clip range must have low <= high, got ({low}, {high})")
     return rewards.clamp(min=low, max=high)
+
+
+def shape_rewards(rewards: Tensor, completion_mask: Tensor, truncated: Tensor, args, max_new_tokens: int) -> Tensor:
+    """The configured shaping of the task reward, in order: DAPO overlong penalty, missing-EOS penalty, clip.
+
+    Args:
+        rewards: ``[B]`` weighted task rewards (NaN = missing, stays NaN).
+        completion_mask: ``[B, T]``; its row sums are the lengths (EOS included).
+        truncated: ``[B]`` bool, no EOS.
+        args: a :class:`~rloo_lightning.config.ShapingArgs`; all of it off leaves ``rewards`` as they are.
+        max_new_tokens: the completion budget (the overlong penalty's ``max_len``).
+
+    Returns:
+        ``[B]``.
+    """
+    r = rewards
+    if args.overlong_buffer > 0:
+        r = r + overlong_penalty(completion_mask.sum(1), max_new_tokens, args.overlong_buffer, args.overlong_factor)
+    if args.missing_eos_penalty:
+        r = missing_eos_penalty(r, truncated, args.missing_eos_penalty)
+    if args.reward_clip is not None:
+        r = clip_rewards(r, *args.reward_clip)
+    return r

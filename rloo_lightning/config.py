@@ -1,0 +1,473 @@
+"""RLOOModule's options, one small typed group per concern.
+
+On the command line and in YAML they nest under the module: ``--model.kl.beta 0.05``,
+``model: {sampling: {k: 4}}``; in Python each group is a dataclass or a plain dict
+(``RLOOModule("tiny:reverse", rewards={"funcs": [...]}, kl={"beta": 0.1})``). Every group checks
+its own fields when it is built and names the option in its error. Defaults are the paper's
+(Ahmadian et al. 2024); every other choice is an explicit option, documented with where it comes from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+__all__ = [
+    "RewardArgs",
+    "ShapingArgs",
+    "SamplingArgs",
+    "KLArgs",
+    "AdvantageArgs",
+    "UpdateArgs",
+    "DynamicSamplingArgs",
+    "ValidationArgs",
+    "PolicyArgs",
+    "GROUPS",
+    "RENAMED",
+    "as_group",
+    "to_primitives",
+]
+
+
+def _one_of(option: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{option} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+
+
+def _range(option: str, value: Any) -> tuple[float, float] | None:
+    """A ``[low, high]`` pair with low < high (as a tuple), or None."""
+    if value is None:
+        return None
+    if len(value) != 2 or not value[0] < value[1]:
+        raise ValueError(f"{option} must be [low, high] with low < high, got {value!r}")
+    return (float(value[0]), float(value[1]))
+
+
+def _set(group: Any, name: str, value: Any) -> None:
+    """Normalise a field of a frozen group in its ``__post_init__`` (e.g. a YAML list to a tuple)."""
+    object.__setattr__(group, name, value)
+
+
+@dataclass(frozen=True)
+class RewardArgs:
+    """What scores a completion.
+
+    Args:
+        funcs: reward functions: import paths ``"pkg.module.fn"`` or ``{class_path: pkg.module.Class,
+            init_args: {...}}`` (see :mod:`rloo_lightning.rewards`); importing runs their code.
+        weights: one weight per reward function (default: all 1); the task reward r is the weighted sum.
+        timeout: seconds one reward call may run; it then runs in a worker process that is killed on
+            timeout, and the call is scored by ``on_error``. None = no limit.
+        workers: worker processes that run the reward functions in parallel (0 = in this process).
+        on_error: what a reward exception or timeout scores: ``raise``, ``none`` (a missing reward, left
+            out of the baseline) or a number; a warning names the function and the prompt.
+        chunk_size: completions per worker call (default: the batch split over the workers).
+    """
+
+    prefix: ClassVar[str] = "rewards"
+    funcs: list[str | dict] = field(default_factory=list)
+    weights: list[float] | None = None
+    timeout: float | None = None
+    workers: int = 0
+    on_error: str | float = "raise"
+    chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.funcs:
+            raise ValueError("rewards.funcs must name at least one reward function")
+        _set(self, "funcs", list(self.funcs))
+        if self.weights is not None:
+            _set(self, "weights", [float(w) for w in self.weights])
+
+
+@dataclass(frozen=True)
+class ShapingArgs:
+    """Training-reward shaping before the KL term and the baseline; all off by default (validation is unshaped).
+
+    Args:
+        missing_eos_penalty: subtracted from the reward of a completion with no EOS (TRL <= 0.21); 0 = off.
+        overlong_buffer: DAPO's soft overlong punishment (Yu et al. 2025): a completion longer than
+            ``sampling.max_new_tokens - overlong_buffer`` tokens loses up to ``overlong_factor``, linearly; 0 = off.
+        overlong_factor: the largest overlong penalty.
+        reward_clip: ``[low, high]`` clip of the task reward after the penalties (TRL ``reward_clip_range``,
+            OpenRLHF); None = off.
+        mask_truncated_completions: completions without EOS leave the loss and their group's baseline
+            (TRL ``mask_truncated_completions``, DAPO's overlong filtering).
+    """
+
+    prefix: ClassVar[str] = "shaping"
+    missing_eos_penalty: float = 0.0
+    overlong_buffer: int = 0
+    overlong_factor: float = 1.0
+    reward_clip: tuple[float, float] | None = None
+    mask_truncated_completions: bool = False
+
+    def __post_init__(self) -> None:
+        if self.overlong_buffer < 0:
+            raise ValueError(f"shaping.overlong_buffer must be >= 0, got {self.overlong_buffer}")
+        _set(self, "reward_clip", _range("shaping.reward_clip", self.reward_clip))
+
+
+@dataclass(frozen=True)
+class SamplingArgs:
+    """How the k completions of each prompt are sampled (step 1).
+
+    Args:
+        k: completions per prompt (>= 2 for the leave-one-out baseline). The paper uses 2 and 4.
+        max_new_tokens: completion budget; a completion without EOS by then is truncated.
+        temperature: sampling temperature; the log-probs use the same one, so that the gradient is of
+            the distribution that was sampled.
+        top_k: 0 = off. Anything else samples from a truncated distribution that is *not* pi_theta and
+            biases the estimator; for ablations only.
+        top_p: 1.0 = off. Same caveat as ``top_k``.
+        repetition_penalty: 1.0 = off. Same caveat as ``top_k``.
+        seed: base of the sampling seeds; each step samples with a seed derived from (seed, rank,
+            global step), so a resumed run samples what an uninterrupted one would.
+        eos_token_ids: token ids that end a completion (default: the tokenizer's EOS plus those of the
+            model's shipped generation config, e.g. a chat model's end-of-turn token).
+        stop_strings: strings that end a completion; the completion mask ends with the token that
+            completes the first one.
+    """
+
+    prefix: ClassVar[str] = "sampling"
+    k: int = 4
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    eos_token_ids: list[int] | None = None
+    stop_strings: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.k < 2:
+            raise ValueError(f"sampling.k must be >= 2 (the leave-one-out baseline needs another sample), "
+                             f"got {self.k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature <= 0:
+            raise ValueError(f"sampling.temperature must be > 0, got {self.temperature}")
+        if self.stop_strings is not None and (not self.stop_strings or not all(self.stop_strings)):
+            raise ValueError(f"sampling.stop_strings must be non-empty strings, got {self.stop_strings!r}")
+
+
+@dataclass(frozen=True)
+class KLArgs:
+    """The KL term to the reference policy (steps 3-4).
+
+    Args:
+        beta: KL coefficient. ``R = r - beta * sum_t (logp_t - ref_logp_t)``, detached, before the
+            baseline (paper Sec. 2.3). ``beta = 0`` loads no reference model.
+        estimator: per-token KL estimate: ``k1`` = ``logp - ref_logp`` (the paper, TRL), ``k2`` =
+            ``(logp - ref_logp)^2 / 2``, ``k3`` = ``exp(ref_logp - logp) - (ref_logp - logp) - 1``
+            (Schulman 2020; GRPO, verl ``low_var_kl``). Only k1 keeps ``reward`` placement unbiased.
+        placement: where ``beta * KL`` enters. ``reward``: the sequence sum subtracted from the reward
+            before the baseline (the paper, TRL; unbiased with k1). ``token_reward`` (OpenRLHF): the
+            baseline on the task reward alone, then ``-beta*kl_t`` at every token and the advantage at
+            the last one, summed to go into token advantages. ``loss`` (GRPO, verl ``use_kl_loss``):
+            ``beta * KL`` with its gradient added to the loss, aggregated as the loss is.
+        clamp: clamp each per-token KL estimate to ``[-c, c]`` (OpenRLHF: 10); None = off.
+        ref_sync_steps: every this many steps mix the policy into the reference (TR-DPO, TRL
+            ``sync_ref_model``): ``ref = alpha*policy + (1-alpha)*ref``. 0 = off (the paper: the
+            reference is the initial policy). The reference is then checkpointed too.
+        ref_sync_alpha: the ``alpha`` of ``ref_sync_steps`` (TRL ``ref_model_mixup_alpha``: 0.6).
+    """
+
+    prefix: ClassVar[str] = "kl"
+    beta: float = 0.05
+    estimator: Literal["k1", "k2", "k3"] = "k1"
+    placement: Literal["reward", "token_reward", "loss"] = "reward"
+    clamp: float | None = None
+    ref_sync_steps: int = 0
+    ref_sync_alpha: float = 0.6
+
+    def __post_init__(self) -> None:
+        if self.beta < 0:
+            raise ValueError(f"kl.beta must be >= 0, got {self.beta}")
+        _one_of("kl.estimator", self.estimator, ("k1", "k2", "k3"))
+        _one_of("kl.placement", self.placement, ("reward", "token_reward", "loss"))
+        if self.clamp is not None and self.clamp <= 0:
+            raise ValueError(f"kl.clamp must be > 0 or None, got {self.clamp}")
+        if self.ref_sync_steps < 0 or not 0 < self.ref_sync_alpha <= 1:
+            raise ValueError(f"kl.ref_sync_steps must be >= 0 and kl.ref_sync_alpha in (0, 1], got "
+                             f"{self.ref_sync_steps}, {self.ref_sync_alpha}")
+
+
+@dataclass(frozen=True)
+class AdvantageArgs:
+    """The baseline and what is done to the advantages (step 5).
+
+    Args:
+        baseline: ``leave_one_out`` (the paper: mean of the other k-1 samples of the prompt); ``none``
+            (vanilla REINFORCE); ``moving_average`` (an exponential moving average of earlier batches'
+            mean reward, ``baseline_decay``; the paper's "REINFORCE w/ baseline"); ``group_mean_std``
+            (GRPO: ``(R - group mean) / (group std + 1e-4)``, biased); ``group_mean`` (Dr.GRPO: the
+            self-inclusive mean, = ``(k-1)/k`` x leave-one-out).
+        baseline_decay: weight of the past in the ``moving_average`` baseline.
+        normalize_rewards: standardise the rewards over the global batch before the baseline
+            (``(R - mean) / (std + 1e-4)``; TRL <= 0.21 / OpenRLHF ``normalize_reward`` style).
+        whiten: standardise the advantages over the global batch (TRL ``normalize_advantages``).
+            A rescale per batch: changes the step size, biased.
+        clip: ``[low, high]`` clip of the advantages after the baseline (OpenRLHF clips at +-10); None = off.
+    """
+
+    prefix: ClassVar[str] = "advantage"
+    baseline: Literal["leave_one_out", "none", "moving_average", "group_mean_std", "group_mean"] = "leave_one_out"
+    baseline_decay: float = 0.9
+    normalize_rewards: bool = False
+    whiten: bool = False
+    clip: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        _one_of("advantage.baseline", self.baseline,
+                ("leave_one_out", "none", "moving_average", "group_mean_std", "group_mean"))
+        if not 0 <= self.baseline_decay < 1:
+            raise ValueError(f"advantage.baseline_decay must be in [0, 1), got {self.baseline_decay}")
+        _set(self, "clip", _range("advantage.clip", self.clip))
+
+
+@dataclass(frozen=True)
+class UpdateArgs:
+    """The loss and the optimizer step (step 6).
+
+    Args:
+        loss_aggregation: how per-token terms become the loss (verl's ``loss_agg_mode`` in brackets):
+            ``seq_sum`` (the paper, TRL; verl ``seq-mean-token-sum``): sum over tokens, mean over
+            sequences; ``token_mean`` (verl default, OpenRLHF): mean over all tokens of the batch;
+            ``seq_mean_token_mean`` (original GRPO): mean over sequences of each one's token mean;
+            ``seq_mean_token_sum_norm`` (Dr.GRPO): token sum / (sequences x ``loss_norm_constant``).
+            All but ``seq_sum`` weigh sequences by length and bias the sequence-level gradient; the
+            denominators are global over ranks.
+        loss_norm_constant: the constant of ``seq_mean_token_sum_norm`` (default: ``sampling.max_new_tokens``).
+        updates_per_rollout: optimizer steps per rollout (TRL ``num_iterations``, verl ``ppo_epochs``).
+            1 (default) is on-policy: no importance ratio, no clip. With n > 1 the rollout is stored
+            and the next n-1 steps update on it again with a clipped importance-weighted surrogate
+            (``clip_mode``); PromptDataModule repeats each batch n times (the CLI links this option),
+            and a checkpoint taken mid-way holds the rollout.
+        clip_mode: ``sequence`` (TRL: one ratio ``exp(sum_t logp - old_logp)`` per completion) or
+            ``token`` (verl / OpenRLHF: one ratio per token, aggregated by ``loss_aggregation``).
+        clip_eps_low: the clip range is ``[1 - clip_eps_low, 1 + clip_eps_high]``.
+        clip_eps_high: see ``clip_eps_low``.
+        dual_clip: verl's dual clip constant ``c > 1`` for negative advantages (``clip_mode: token``).
+        micro_batch_size: completions per forward/backward pass of the update (None = the whole
+            rollout at once). The rollout is still sampled whole and there is still one optimizer step
+            per rollout: the same update as unsplit, with the activation memory of one micro-batch.
+            Lightning's ``accumulate_grad_batches=n`` is different and composes with it: n rollouts
+            (each sampled from the same, not yet updated policy, so still on-policy) per optimizer step.
+        warmup_ratio: fraction of the total steps for the linear warm-up of the default constant-rate
+            schedule (the paper: 3%). Ignored when ``lr_scheduler`` is given.
+        on_nonfinite: what a NaN/inf loss or gradient does: ``stop`` raises ``NonFiniteError`` (naming the
+            step and the rollout statistics) before the optimizer step, so no poisoned weights reach a
+            checkpoint; ``skip`` drops that update and counts it in ``train/skipped_steps``.
+    """
+
+    prefix: ClassVar[str] = "update"
+    loss_aggregation: Literal["seq_sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "seq_sum"
+    loss_norm_constant: float | None = None
+    updates_per_rollout: int = 1
+    clip_mode: Literal["sequence", "token"] = "sequence"
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip: float | None = None
+    micro_batch_size: int | None = None
+    warmup_ratio: float = 0.03
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+
+    def __post_init__(self) -> None:
+        _one_of("update.loss_aggregation", self.loss_aggregation,
+                ("seq_sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"))
+        _one_of("update.clip_mode", self.clip_mode, ("sequence", "token"))
+        _one_of("update.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        if self.loss_norm_constant is not None and self.loss_norm_constant <= 0:
+            raise ValueError(f"update.loss_norm_constant must be > 0 or None, got {self.loss_norm_constant}")
+        if self.updates_per_rollout < 1:
+            raise ValueError(f"update.updates_per_rollout must be >= 1, got {self.updates_per_rollout}")
+        if self.clip_eps_low < 0 or self.clip_eps_high < 0 or self.clip_eps_low >= 1:
+            raise ValueError(f"update.clip_eps_low must be in [0, 1) and update.clip_eps_high >= 0, got "
+                             f"{self.clip_eps_low}, {self.clip_eps_high}")
+        if self.dual_clip is not None and (self.dual_clip <= 1 or self.clip_mode != "token"):
+            raise ValueError(f"update.dual_clip must be > 1 and needs update.clip_mode='token', got "
+                             f"dual_clip={self.dual_clip}, clip_mode={self.clip_mode!r}")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"update.micro_batch_size must be >= 1 (sequences per forward/backward) or None, "
+                             f"got {self.micro_batch_size}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"update.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+
+
+@dataclass(frozen=True)
+class DynamicSamplingArgs:
+    """DAPO's dynamic sampling (Yu et al. 2025; OpenRLHF ``dynamic_filtering``, verl ``filter_groups``).
+
+    A prompt group whose task rewards are all equal has zero advantages and adds no gradient; with
+    ``enabled``, more prompts are drawn (the data module's ``sample_batch``) until the batch has
+    ``batch_size`` groups whose rewards differ. Every rank runs the same number of rounds; extra
+    prompts come from a generator seeded by (seed, rank, step, round), so a resume draws the same
+    ones. Off by default: it changes which prompts the gradient averages over.
+
+    Args:
+        enabled: turn dynamic sampling on.
+        max_rounds: extra generation rounds per step at most; when used up, a warning says so and the
+            batch is topped up with uninformative groups.
+        atol: a group whose reward spread is ``<= atol`` counts as uninformative.
+    """
+
+    prefix: ClassVar[str] = "dynamic_sampling"
+    enabled: bool = False
+    max_rounds: int = 4
+    atol: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_rounds < 1 or self.atol < 0:
+            raise ValueError(f"dynamic_sampling.max_rounds must be >= 1 and dynamic_sampling.atol >= 0, got "
+                             f"{self.max_rounds}, {self.atol}")
+
+
+@dataclass(frozen=True)
+class ValidationArgs:
+    """What a validation pass measures (``val/*``).
+
+    Args:
+        at_start: run a validation pass before the first update and log it at step 0 (Lightning's
+            sanity check does not log).
+        greedy: also evaluate greedy decoding: ``val/reward_greedy`` and ``val/accuracy_greedy``.
+        num_samples: completions sampled per validation prompt (training sampler); ``val/reward`` is their mean.
+        pass_k: log ``val/pass@<k>`` for each k (each <= ``num_samples``), with the unbiased estimator of
+            Chen et al. 2021.
+        success_threshold: a completion whose reward is >= this counts as a success (accuracy, pass@k).
+    """
+
+    prefix: ClassVar[str] = "validation"
+    at_start: bool = True
+    greedy: bool = True
+    num_samples: int = 1
+    pass_k: list[int] | None = None
+    success_threshold: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 1:
+            raise ValueError(f"validation.num_samples must be >= 1, got {self.num_samples}")
+        for pk in self.pass_k or []:
+            if not 1 <= pk <= self.num_samples:
+                raise ValueError(f"validation.pass_k={self.pass_k}: each k must be in [1, validation.num_samples="
+                                 f"{self.num_samples}]")
+
+
+@dataclass(frozen=True)
+class PolicyArgs:
+    """How the policy is loaded and trained.
+
+    Args:
+        gguf_file: a GGUF file inside ``model_name_or_path`` (dequantized on load; needs ``gguf``).
+        trust_remote_code: executes code shipped with the model; off unless set.
+        gradient_checkpointing: recompute activations in the backward of the update (less memory, one
+            more forward). Generation runs in eval mode, where transformers keeps the KV cache.
+        disable_dropout: turn every dropout off in the policy (and reference), so that the log-probs of
+            the update are those of the sampler.
+        lora: train a LoRA adapter (``peft``) instead of the whole policy: the keyword arguments of
+            ``peft.LoraConfig``, e.g. ``{r: 16, lora_alpha: 32, target_modules: all-linear}``
+            (``task_type`` is set here). The reference is then the base model with the adapter
+            disabled; checkpoints hold the adapter (and optimizer state) only. None = full training.
+        lora_export: what ``save_pretrained`` (and ``HFExport``) writes for a LoRA policy: ``merged``
+            (the base with the adapter merged in) or ``adapter`` (the adapter alone).
+    """
+
+    prefix: ClassVar[str] = "policy"
+    gguf_file: str | None = None
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+    disable_dropout: bool = True
+    lora: dict | None = None
+    lora_export: Literal["merged", "adapter"] = "merged"
+
+    def __post_init__(self) -> None:
+        _one_of("policy.lora_export", self.lora_export, ("merged", "adapter"))
+        if self.lora is not None and (not isinstance(self.lora, dict) or not self.lora):
+            raise ValueError(f"policy.lora must be a non-empty mapping of peft.LoraConfig arguments, got {self.lora!r}")
+        if self.lora is not None and "task_type" in self.lora:
+            raise ValueError("policy.lora: task_type is set by RLOOModule (CAUSAL_LM); remove it")
+
+
+GROUPS: dict[str, type] = {
+    "rewards": RewardArgs,
+    "sampling": SamplingArgs,
+    "shaping": ShapingArgs,
+    "kl": KLArgs,
+    "advantage": AdvantageArgs,
+    "update": UpdateArgs,
+    "dynamic_sampling": DynamicSamplingArgs,
+    "validation": ValidationArgs,
+    "policy": PolicyArgs,
+}
+
+# The flat options of earlier versions and where each one lives now.
+RENAMED: dict[str, str] = {
+    "reward_funcs": "rewards.funcs", "reward_weights": "rewards.weights", "reward_timeout": "rewards.timeout",
+    "reward_workers": "rewards.workers", "reward_on_error": "rewards.on_error",
+    "reward_chunk_size": "rewards.chunk_size",
+    "missing_eos_penalty": "shaping.missing_eos_penalty", "overlong_buffer": "shaping.overlong_buffer",
+    "overlong_factor": "shaping.overlong_factor", "reward_clip": "shaping.reward_clip",
+    "mask_truncated_completions": "shaping.mask_truncated_completions",
+    "k": "sampling.k", "max_new_tokens": "sampling.max_new_tokens", "temperature": "sampling.temperature",
+    "top_k": "sampling.top_k", "top_p": "sampling.top_p", "repetition_penalty": "sampling.repetition_penalty",
+    "seed": "sampling.seed", "eos_token_ids": "sampling.eos_token_ids", "stop_strings": "sampling.stop_strings",
+    "beta": "kl.beta", "kl_estimator": "kl.estimator", "kl_placement": "kl.placement", "kl_clamp": "kl.clamp",
+    "ref_sync_steps": "kl.ref_sync_steps", "ref_sync_alpha": "kl.ref_sync_alpha",
+    "baseline": "advantage.baseline", "baseline_decay": "advantage.baseline_decay",
+    "normalize_rewards": "advantage.normalize_rewards", "whiten_advantages": "advantage.whiten",
+    "advantage_clip": "advantage.clip",
+    "loss_aggregation": "update.loss_aggregation", "loss_norm_constant": "update.loss_norm_constant",
+    "updates_per_rollout": "update.updates_per_rollout", "clip_mode": "update.clip_mode",
+    "clip_eps_low": "update.clip_eps_low", "clip_eps_high": "update.clip_eps_high", "dual_clip": "update.dual_clip",
+    "micro_batch_size": "update.micro_batch_size", "warmup_ratio": "update.warmup_ratio",
+    "on_nonfinite": "update.on_nonfinite",
+    "dynamic_sampling_max_rounds": "dynamic_sampling.max_rounds", "dynamic_sampling_atol": "dynamic_sampling.atol",
+    "validate_at_start": "validation.at_start", "val_greedy": "validation.greedy",
+    "val_num_samples": "validation.num_samples", "val_pass_k": "validation.pass_k",
+    "success_threshold": "validation.success_threshold",
+    "gguf_file": "policy.gguf_file", "trust_remote_code": "policy.trust_remote_code",
+    "gradient_checkpointing": "policy.gradient_checkpointing", "disable_dropout": "policy.disable_dropout",
+    "lora": "policy.lora", "lora_export": "policy.lora_export",
+}
+
+
+def renamed_error(names: list[str], where: str = "model.") -> ValueError:
+    """The error for options of the old flat form, naming the new nested ones."""
+    lines = [f"{where}{n} is now {where}{RENAMED[n]}" for n in names if n in RENAMED]
+    return ValueError("RLOOModule's options are grouped: " + "; ".join(lines))
+
+
+def as_group(cls: type, value: Any) -> Any:
+    """``value`` as an instance of the group ``cls``: an instance, a dict of its fields, or None (defaults).
+
+    An unknown key fails with the group's prefix and the closest field name.
+    """
+    if isinstance(value, cls):
+        return value
+    if value is None:
+        return cls()
+    if dataclasses.is_dataclass(value):  # the same group from another import (e.g. a namespace)
+        value = dataclasses.asdict(value)
+    if not isinstance(value, dict):
+        raise TypeError(f"{cls.prefix} must be a {cls.__name__} or a mapping of its fields, got {value!r}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    for key in value:
+        if key not in fields:
+            close = difflib.get_close_matches(key, sorted(fields), n=1)
+            hint = f"; did you mean {cls.prefix}.{close[0]}?" if close else f"; valid: {', '.join(sorted(fields))}"
+            raise ValueError(f"unknown option {cls.prefix}.{key}{hint}")
+    return cls(**value)
+
+
+def to_primitives(value: Any) -> Any:
+    """A group (or anything nested in one) as plain dicts, lists and scalars, as stored in checkpoints."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: to_primitives(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): to_primitives(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_primitives(v) for v in value]
+    return value

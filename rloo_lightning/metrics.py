@@ -1,0 +1,70 @@
+"""Metrics: the training step's (sum, count) pairs, reduced once across ranks, and unbiased pass@k."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rloo_lightning.advantages import group_std
+from rloo_lightning.logprobs import masked_sum
+
+__all__ = [
+    "train_metric_sums",
+    "pass_at_k",
+]
+
+
+def pass_at_k(successes: Tensor, n: int, k: int) -> Tensor:
+    """Unbiased pass@k from ``n`` samples per prompt (Chen et al. 2021, Eq. 1): ``1 - C(n-c, k) / C(n, k)``.
+
+    Args:
+        successes: ``[N]`` number of successful samples ``c`` per prompt, ``0 <= c <= n``.
+        n: samples per prompt; k: ``1 <= k <= n``.
+
+    Returns:
+        ``[N]`` float probabilities that at least one of k samples drawn without replacement succeeds.
+    """
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}")
+    c = successes.long()
+    # prod_{i=n-c+1}^{n} (1 - k/i) = C(n-c, k)/C(n, k), stable for large n (no factorials).
+    i = torch.arange(1, n + 1, device=successes.device, dtype=torch.float64)
+    factors = torch.where(i[None] > (n - c)[:, None], 1.0 - k / i[None], torch.ones_like(i[None]))
+    fail = torch.where(n - c < k, torch.zeros_like(c, dtype=torch.float64), factors.prod(1))
+    return (1.0 - fail).float()
+
+
+def train_metric_sums(rollout, entropy: Tensor, loss: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+    """The step's ``train/*`` metrics as ``(sum, count)`` pairs, so that one all-reduce gives exact global means.
+
+    Args:
+        rollout: a scored :class:`~rloo_lightning.rollout.Rollout` after the loss (``advantages`` set).
+        entropy: ``[B, T]`` per-token entropies of the policy.
+        loss: the step's scalar loss.
+
+    Returns:
+        ``{metric name: (sum, count)}``; a mean is ``sum / count`` after both are summed over ranks.
+    """
+    mask, rewards = rollout.completion_mask, rollout.rewards
+    valid = ~torch.isnan(rewards)
+    stds = group_std(rewards, rollout.k)
+    num_groups = torch.tensor(stds.shape[0])
+    rows = torch.ones_like(rewards).sum()
+    sums = {
+        "train/reward": (torch.nan_to_num(rewards).sum(), valid.sum()),
+        "train/reward_std": (stds.sum(), num_groups),
+        "train/zero_std_groups": ((stds == 0).sum(), num_groups),
+        "train/advantage_abs": (rollout.advantages.abs().sum(), rows),
+        "train/completion_length": (mask.sum(), rows),
+        "train/clipped_ratio": (rollout.truncated.sum(), rows),
+        "train/entropy": (masked_sum(entropy, mask).sum(), mask.sum()),
+        "train/loss": (loss.detach(), torch.tensor(1.0)),
+    }
+    if rollout.kl is not None:
+        sums["train/kl"] = (rollout.kl.sum(), rows)
+    for name, (total, count) in (rollout.clip_stats or {}).items():
+        sums[f"train/{name}"] = (torch.as_tensor(total), torch.as_tensor(count))
+    for name, values in rollout.scores.items():
+        ok = ~torch.isnan(values)
+        sums[f"train/score/{name}"] = (torch.nan_to_num(values).sum(), ok.sum())
+    return sums

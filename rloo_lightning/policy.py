@@ -1,0 +1,86 @@
+"""The policy and its reference: loading options (checkpointing, LoRA, dropout), the frozen copy, export."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from rloo_lightning.config import PolicyArgs
+
+__all__ = ["Frozen", "lora_config", "prepare_policy", "export_pretrained"]
+
+
+class Frozen:
+    """Holds a frozen model outside the registered submodules: never trained, wrapped or checkpointed by Lightning."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model.eval().requires_grad_(False)
+
+
+def lora_config(options: dict):
+    """``peft.LoraConfig`` for a causal LM from the ``policy.lora`` option, with errors that name it."""
+    try:
+        from peft import LoraConfig
+    except ImportError as err:
+        raise ImportError("the policy.lora option needs peft: pip install 'rloo-lightning[lora]'") from err
+    try:
+        return LoraConfig(task_type="CAUSAL_LM", **options)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"policy.lora={options!r} is not a valid peft.LoraConfig: {err}") from err
+
+
+def prepare_policy(policy: torch.nn.Module, args: PolicyArgs) -> torch.nn.Module:
+    """Gradient checkpointing, the LoRA adapter and train mode on a loaded policy; returns the model to train."""
+    if args.gradient_checkpointing:
+        # Non-reentrant: works with inputs that need no grad and with DDP; only active in train mode.
+        kwargs = {"use_reentrant": False}
+        if hasattr(policy, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+            policy.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if args.lora:
+        from peft import get_peft_model
+
+        policy = get_peft_model(policy, lora_config(args.lora))
+    # from_pretrained returns eval mode and Lightning does not call .train(): set it.
+    return policy.train()
+
+
+def disable_dropout(*models: torch.nn.Module | None) -> None:
+    """Every dropout off, so that the update's log-probs are those of the sampler."""
+    for model in models:
+        for m in model.modules() if model is not None else ():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+
+
+def export_pretrained(policy: torch.nn.Module, tokenizer, directory: str, args: PolicyArgs,
+                      full_state: dict | None = None) -> None:
+    """Write the policy and tokenizer in Hugging Face format (``from_pretrained`` loads it).
+
+    A LoRA policy is written merged into its base or as the adapter alone (``policy.lora_export``).
+    ``full_state``: the gathered weights of a sharded (FSDP2) policy, whose own parameters are shards.
+    """
+    model = policy
+    if args.lora and args.lora_export == "adapter":
+        model.save_pretrained(directory)  # adapter_config.json + adapter weights
+        tokenizer.save_pretrained(directory)
+        return
+    if args.lora:
+        model = copy.deepcopy(model).merge_and_unload()
+    if args.gguf_file or full_state is not None:
+        # A GGUF-loaded model refuses save_pretrained, and a sharded one holds shards: rebuild it
+        # from its config and copy the (gathered) weights in.
+        from transformers import AutoModelForCausalLM
+
+        config = copy.deepcopy(model.config)
+        # The weights written are dequantized: a kept `quantization_config: gguf` would make the
+        # export look quantized (HF's Trainer then refuses to fine-tune it).
+        if getattr(config, "quantization_config", None) is not None:
+            del config.quantization_config
+        rebuilt = AutoModelForCausalLM.from_config(config)
+        rebuilt.load_state_dict(full_state if full_state is not None else model.state_dict())
+        model = rebuilt
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)

@@ -1,0 +1,107 @@
+"""Lightning mechanics of the update: micro-batch gradients, the NaN/inf guard, rollout reuse.
+
+Each piece is a small object the module holds and calls from one place in its hooks, so that the
+training step itself stays the algorithm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from rloo_lightning.rollout import Rollout
+
+__all__ = ["NonFiniteError", "GradientStash", "RolloutReuse", "micro_batches"]
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN/inf loss or gradient, with the step and the rollout statistics that led to it."""
+
+
+def micro_batches(num_sequences: int, size: int | None) -> list[slice]:
+    """Row slices of a rollout for the forward/backward passes (``size`` rows each; None = one slice)."""
+    size = size or num_sequences
+    return [slice(s, min(s + size, num_sequences)) for s in range(0, num_sequences, size)]
+
+
+class GradientStash:
+    """Gradients of all micro-batches but the last, held until Lightning's backward of the last one.
+
+    Not ``loss.backward()``: Lightning zeroes the gradients *after* ``training_step`` returns, and
+    under DDP the first backward after the forward would all-reduce a partial gradient.
+    ``autograd.grad`` fires neither DDP's hooks nor writes ``.grad``; :meth:`inject` (called from
+    ``on_before_backward``) adds the sum into ``.grad`` just before the last micro-batch's backward,
+    whose all-reduce then carries the whole rollout's gradient. FSDP2 modules get a real backward
+    with gradient synchronisation off instead (their gradients accumulate unsharded until the last one).
+    """
+
+    def __init__(self) -> None:
+        self.grads: list[Tensor | None] | None = None
+
+    def backward_early(self, loss: Tensor, model: torch.nn.Module, scaler=None) -> None:
+        if scaler is not None:  # fp16 AMP scales the loss Lightning backpropagates: scale ours alike
+            loss = scaler.scale(loss)
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(False)
+            try:
+                loss.backward()
+            finally:
+                model.set_requires_gradient_sync(True)
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        if self.grads is None:
+            self.grads = list(grads)
+        else:
+            self.grads = [s if g is None else g if s is None else s.add_(g) for s, g in zip(self.grads, grads)]
+
+    def inject(self, model: torch.nn.Module) -> None:
+        if self.grads is None:
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p, g in zip(params, self.grads):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        self.grads = None
+
+
+class RolloutReuse:
+    """``updates_per_rollout > 1``: the stored rollout and how many updates it has had.
+
+    The data module repeats each batch ``updates_per_rollout`` times (the CLI links the option);
+    the repeated batches are answered with the stored rollout. A checkpoint taken between two
+    updates on one rollout holds it, so the resumed run goes on with it.
+    """
+
+    def __init__(self, updates_per_rollout: int) -> None:
+        self.updates_per_rollout = updates_per_rollout
+        self.stored: Rollout | None = None
+        self.updates = 0
+        self._warned = False
+
+    def take(self, batch: dict) -> Rollout | None:
+        """The stored rollout if it has updates left, else None (a fresh rollout is due)."""
+        if self.stored is None or self.updates >= self.updates_per_rollout:
+            self.stored, self.updates = None, 0
+            return None
+        if list(batch["prompt"]) != self.stored.prompts[:: self.stored.k] and not self._warned:
+            self._warned = True
+            rank_zero_warn("update.updates_per_rollout > 1: this batch's prompts are not the stored rollout's and "
+                           "are skipped; PromptDataModule repeats each batch updates_per_rollout times (the CLI "
+                           "links it)")
+        return self.stored
+
+    def record(self, rollout: Rollout) -> None:
+        if self.updates_per_rollout > 1:
+            self.stored, self.updates = rollout, self.updates + 1
+
+    def state_dict(self) -> dict | None:
+        if self.stored is None or self.updates >= self.updates_per_rollout:
+            return None
+        return {"updates": self.updates, "fields": dataclasses.asdict(self.stored)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stored, self.updates = Rollout(**state["fields"]), state["updates"]
