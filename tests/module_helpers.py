@@ -12,9 +12,13 @@ REWARD = "rloo_lightning.tasks.reverse.reward"
 PROMPTS = ["abc=", "hgfed=", "ab=", "gfedcba="]
 
 
-def configured_module(model_dir: str, k: int = 3, **options) -> RLOOModule:
-    """An RLOOModule on ``model_dir`` (reverse-task reward, 6 new tokens) with its models loaded; logging off."""
-    module = RLOOModule(model_dir, reward_funcs=[REWARD], k=k, max_new_tokens=6, **options)
+def configured_module(model_dir: str, k: int = 3, **groups) -> RLOOModule:
+    """An RLOOModule on ``model_dir`` (reverse-task reward, 6 new tokens) with its models loaded; logging off.
+
+    ``groups``: option groups as dicts (``kl={"beta": 0.1}``); ``sampling`` is merged over ``k`` and 6 new tokens.
+    """
+    sampling = {"k": k, "max_new_tokens": 6, **groups.pop("sampling", {})}
+    module = RLOOModule(model_dir, rewards={"funcs": [REWARD]}, sampling=sampling, **groups)
     module.configure_model()
     module.log = lambda *a, **kw: None
     return module
@@ -28,6 +32,6 @@ def prompt_batch(tokenizer, prompts: list[str] = PROMPTS) -> dict:
 
 def scored_rollout(module: RLOOModule, seed: int = 5, reward_seed: int = 1) -> Rollout:
     """A real rollout of ``PROMPTS`` (k = the module's k) with rewards drawn uniformly from a seeded generator."""
-    rollout = module.rollout(prompt_batch(module.tokenizer), module.hparams.k, seed=seed)
+    rollout = module.sample(prompt_batch(module.tokenizer), module.cfg.sampling.k, seed=seed)
     rollout.rewards = torch.rand(rollout.completion_ids.shape[0], generator=torch.Generator().manual_seed(reward_seed))
     return rollout

@@ -47,8 +47,8 @@ class EchoEngine(GenerationEngine):
 
 def test_custom_engine_feeds_the_whole_step(tiny_model_dir):
     engine = EchoEngine()
-    module = RLOOModule(tiny_model_dir, reward_funcs=[REWARD], k=2, max_new_tokens=6, validate_at_start=False,
-                        generation_engine=engine, time_phases=True)
+    module = RLOOModule(tiny_model_dir, rewards={"funcs": [REWARD]}, sampling={"k": 2, "max_new_tokens": 6},
+                        validation={"at_start": False}, generation_engine=engine, time_phases=True)
     data = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, task="reverse", batch_size=3, num_train_rows=12,
                             num_val_rows=3, max_new_tokens=6)
     timings = RecordingLogger()
@@ -70,8 +70,8 @@ def test_custom_engine_feeds_the_whole_step(tiny_model_dir):
 
 def test_engine_resyncs_only_after_optimizer_steps(tiny_model_dir):
     engine = EchoEngine()
-    module = RLOOModule(tiny_model_dir, reward_funcs=[REWARD], k=2, max_new_tokens=6, validate_at_start=False,
-                        generation_engine=engine)
+    module = RLOOModule(tiny_model_dir, rewards={"funcs": [REWARD]}, sampling={"k": 2, "max_new_tokens": 6},
+                        validation={"at_start": False}, generation_engine=engine)
     data = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, task="reverse", batch_size=3, num_train_rows=12,
                             num_val_rows=3, max_new_tokens=6)
     trainer = Trainer(accelerator="cpu", max_steps=2, accumulate_grad_batches=2, limit_val_batches=0, logger=False,
@@ -81,13 +81,13 @@ def test_engine_resyncs_only_after_optimizer_steps(tiny_model_dir):
 
 
 def test_default_engine_is_hf_generate_and_seeded(tiny_model_dir):
-    module = RLOOModule(tiny_model_dir, reward_funcs=[REWARD], k=2, max_new_tokens=6)
+    module = RLOOModule(tiny_model_dir, rewards={"funcs": [REWARD]}, sampling={"k": 2, "max_new_tokens": 6})
     module.configure_model()
     assert isinstance(module.engine, HFGenerateEngine)
     tok = module.tokenizer
     batch = collate_prompts([{"input_ids": tok(p)["input_ids"], "prompt": p, "columns": {}} for p in ["abc=", "hg="]],
                             tok.pad_token_id)
-    a, b = module.rollout(batch, 2, seed=3), module.rollout(batch, 2, seed=3)
+    a, b = module.sample(batch, 2, seed=3), module.sample(batch, 2, seed=3)
     assert torch.equal(a.completion_ids, b.completion_ids)
     ids = batch["input_ids"].repeat_interleave(2, 0)
     direct = module.engine.generate(module.policy, tok, ids, batch["attention_mask"].repeat_interleave(2, 0),
