@@ -116,7 +116,7 @@ class PromptDataModule(LightningDataModule):
         seed: seeds the task's generation, the split and the shuffling.
         max_new_tokens: completion budget (linked from the module).
         repeat_batches: yield each training batch this many times in a row (linked from the
-            module's ``updates_per_rollout``, whose later updates reuse the first one's rollout).
+            module's ``update.updates_per_rollout``, whose later updates reuse the first one's rollout).
         trust_remote_code: executes code shipped with the tokenizer; off unless set.
     """
 

@@ -40,10 +40,10 @@ class Rollout:
         keep: ``[B]`` bool; rows set False by a callback leave the loss (advantage 0) and the
             loss is averaged over the kept rows.
         advantages: ``[B]`` leave-one-out advantages (set after the ``on_rollout`` hooks).
-        token_advantages: ``[B, T]`` per-token advantages (``kl_placement: token_reward`` only).
+        token_advantages: ``[B, T]`` per-token advantages (``kl.placement: token_reward`` only).
         ref_logp: ``[B, T]`` reference log-probs (None when beta == 0).
         old_logp: ``[B, T]`` the sampling policy's log-probs, set after the first update when the
-            rollout is reused (``updates_per_rollout > 1``); the later updates' importance ratio.
+            rollout is reused (``update.updates_per_rollout > 1``); the later updates' importance ratio.
         clip_stats: ``{name: (sum, count)}`` clip fractions of a reused rollout's update.
     """
 

@@ -266,17 +266,17 @@ def test_missing_file_and_bad_extension(tiny_model_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("k", [1, 0])
 def test_module_k_below_2_raises(k):
-    with pytest.raises(ValueError, match=r"\bk\b.*>= 2|k="):
-        RLOOModule(model_name_or_path="unused", reward_funcs=[REWARD], k=k)
+    with pytest.raises(ValueError, match=r"sampling\.k must be >= 2"):
+        RLOOModule(model_name_or_path="unused", rewards={"funcs": [REWARD]}, sampling={"k": k})
 
 
 def test_unknown_reward_path_raises_naming_it():
     with pytest.raises(ValueError, match="no_such_package_xyz.reward"):
-        RLOOModule(model_name_or_path="unused", reward_funcs=["no_such_package_xyz.reward"])
+        RLOOModule(model_name_or_path="unused", rewards={"funcs": ["no_such_package_xyz.reward"]})
     with pytest.raises(ValueError, match="rloo_lightning.tasks.reverse.no_such_fn"):
-        RLOOModule(model_name_or_path="unused", reward_funcs=["rloo_lightning.tasks.reverse.no_such_fn"])
+        RLOOModule(model_name_or_path="unused", rewards={"funcs": ["rloo_lightning.tasks.reverse.no_such_fn"]})
     with pytest.raises(ValueError, match="not_a_path"):
-        RLOOModule(model_name_or_path="unused", reward_funcs=["not_a_path"])
+        RLOOModule(model_name_or_path="unused", rewards={"funcs": ["not_a_path"]})
 
 
 def too_few_values(prompts, completions, completion_ids, **columns):
@@ -292,7 +292,8 @@ def test_reward_returning_wrong_number_of_values_names_the_function():
 def test_reward_wrong_count_through_the_module_by_import_path(tiny_model_dir):
     from rloo_lightning.rollout import Rollout
 
-    module = RLOOModule(model_name_or_path=tiny_model_dir, reward_funcs=[f"{__name__}.too_few_values"], beta=0.0)
+    module = RLOOModule(model_name_or_path=tiny_model_dir, rewards={"funcs": [f"{__name__}.too_few_values"]},
+                        kl={"beta": 0.0})
     ids = torch.tensor([[4, 2], [5, 2]])
     rollout = Rollout(k=2, prompt_ids=ids, prompt_mask=torch.ones_like(ids), completion_ids=ids,
                       completion_mask=torch.ones(2, 2), truncated=torch.zeros(2, dtype=torch.bool),
@@ -302,5 +303,5 @@ def test_reward_wrong_count_through_the_module_by_import_path(tiny_model_dir):
 
 
 def test_reward_weights_length_mismatch_raises():
-    with pytest.raises(ValueError, match="reward_weights"):
-        RLOOModule(model_name_or_path="unused", reward_funcs=[REWARD], reward_weights=[1.0, 2.0])
+    with pytest.raises(ValueError, match=r"rewards\.weights has 2 values for 1 rewards\.funcs"):
+        RLOOModule(model_name_or_path="unused", rewards={"funcs": [REWARD], "weights": [1.0, 2.0]})

@@ -19,7 +19,7 @@ before any function runs:
 * TRL-style ``fn(completions, **kwargs)`` (fewer than three positional parameters): called with
   keywords ``prompts=, completions=, completion_ids=`` and the columns.
 
-A reward function is given (``RLOOModule(reward_funcs=[...])``) as
+A reward function is given (``RLOOModule(rewards={"funcs": [...]})``, ``--model.rewards.funcs``) as
 
 * a callable;
 * an import path ``"package.module.function"`` (a class there is instantiated with no
@@ -426,7 +426,7 @@ class RewardSet:
     ) -> RewardSet:
         """Resolve and check every spec now, so a typo fails before any model is loaded."""
         if not specs:
-            raise RewardError("reward_funcs is empty: give at least one reward function (import path)")
+            raise RewardError("rewards.funcs is empty: give at least one reward function (import path)")
         if isinstance(specs, (str, Mapping)) or callable(specs):
             specs = [specs]
         resolved = [resolve_reward(s) for s in specs]
@@ -436,10 +436,10 @@ class RewardSet:
         if weights is None:
             weights = [1.0] * len(resolved)
         if len(weights) != len(resolved):
-            raise RewardError(f"reward_weights has {len(weights)} values for {len(resolved)} reward_funcs")
+            raise RewardError(f"rewards.weights has {len(weights)} values for {len(resolved)} rewards.funcs")
         for w in weights:
             if not math.isfinite(float(w)):
-                raise RewardError(f"reward_weights must be finite, got {list(weights)}")
+                raise RewardError(f"rewards.weights must be finite, got {list(weights)}")
         return cls(
             names, [f for _, f in resolved], [float(w) for w in weights], specs=list(specs),
             timeout=timeout, num_workers=num_workers, on_error=on_error, chunk_size=chunk_size,

@@ -1,11 +1,12 @@
 """Built-in rule rewards, configurable from YAML by ``class_path`` / ``init_args``.
 
-    reward_funcs:
-      - class_path: rloo_lightning.rewards.builtin.ExactAnswer
-        init_args: {column: answer, extract: boxed}
-      - class_path: rloo_lightning.rewards.builtin.RegexMatch
-        init_args: {pattern: "^<think>.*</think>\\s*<answer>.*</answer>$", full_match: true}
-    reward_weights: [1.0, 0.1]
+    rewards:
+      funcs:
+        - class_path: rloo_lightning.rewards.builtin.ExactAnswer
+          init_args: {column: answer, extract: boxed}
+        - class_path: rloo_lightning.rewards.builtin.RegexMatch
+          init_args: {pattern: "^<think>.*</think>\\s*<answer>.*</answer>$", full_match: true}
+      weights: [1.0, 0.1]
 
 Each follows the protocol of :mod:`rloo_lightning.rewards` and lists the dataset columns it reads
 in ``required_columns``, so a missing column is an error before any completion is scored.

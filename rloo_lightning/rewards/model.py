@@ -1,8 +1,9 @@
 """A sequence-classification reward model as a reward function (classic RLHF).
 
-    reward_funcs:
-      - class_path: rloo_lightning.rewards.model.RewardModel
-        init_args: {model_name_or_path: Skywork/Skywork-Reward-V2-Qwen3-0.6B, dtype: bfloat16}
+    rewards:
+      funcs:
+        - class_path: rloo_lightning.rewards.model.RewardModel
+          init_args: {model_name_or_path: Skywork/Skywork-Reward-V2-Qwen3-0.6B, dtype: bfloat16}
 
 The reward model has its own tokenizer and chat template: it scores the *text* of prompt and
 completion, re-tokenized, so it need not share a vocabulary with the policy (the policy's
