@@ -14,17 +14,16 @@ from lightning.pytorch import Trainer
 
 from rloo_lightning import RLOOModule
 from rloo_lightning.callbacks import KLMonitor, SampleLogger, ZeroVarianceFilter
-from rloo_lightning.advantages import informative_groups
+from rloo_lightning.advantages import group_std, informative_groups
 from rloo_lightning.callbacks.kl import adaptive_beta
-from rloo_lightning.objectives import group_std
 from rloo_lightning.data import collate_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module(model_dir: str, beta: float = 0.05, k: int = 3) -> RLOOModule:
-    module = RLOOModule(model_dir, reward_funcs=["rloo_lightning.tasks.reverse.reward"], k=k, beta=beta,
-                        max_new_tokens=6)
+    module = RLOOModule(model_dir, rewards={"funcs": ["rloo_lightning.tasks.reverse.reward"]},
+                        sampling={"k": k, "max_new_tokens": 6}, kl={"beta": beta})
     module.configure_model()
     module.log = lambda *args, **kwargs: None  # no Lightning loop in these unit tests
     return module
@@ -41,7 +40,7 @@ def _rollout(module: RLOOModule, prompts: list[str], rewards: list[float]):
     tok = module.tokenizer
     batch = collate_prompts([{"input_ids": tok(p)["input_ids"], "prompt": p, "columns": {}} for p in prompts],
                             tok.pad_token_id)
-    rollout = module.rollout(batch, module.hparams.k, seed=123)
+    rollout = module.sample(batch, module.cfg.sampling.k, seed=123)
     rollout.rewards = torch.tensor(rewards)
     rollout.scores = {"reward": rollout.rewards.clone()}
     return rollout
