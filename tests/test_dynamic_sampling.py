@@ -13,7 +13,7 @@ from rloo_lightning import RLOOModule
 from rloo_lightning.callbacks import RolloutHook
 from rloo_lightning.data import PromptDataModule
 from rloo_lightning.rollout import Rollout, concat_groups
-from rloo_lightning.variants import informative_groups
+from rloo_lightning.advantages import informative_groups
 
 BATCH, K = 4, 4
 
@@ -64,9 +64,10 @@ class _Metrics(Callback):
         self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-def _fit(model_dir, root, reward, max_steps=2, ckpt_path=None, callbacks=(), **kw):
-    module = RLOOModule(model_dir, reward_funcs=[reward], k=K, max_new_tokens=6, validate_at_start=False,
-                        dynamic_sampling=True, optimizer=lambda p: torch.optim.SGD(p, lr=1e-2), **kw)
+def _fit(model_dir, root, reward, max_steps=2, ckpt_path=None, callbacks=(), max_rounds=4):
+    module = RLOOModule(model_dir, rewards={"funcs": [reward]}, sampling={"k": K, "max_new_tokens": 6},
+                        validation={"at_start": False}, dynamic_sampling={"enabled": True, "max_rounds": max_rounds},
+                        optimizer=lambda p: torch.optim.SGD(p, lr=1e-2))
     data = PromptDataModule(tokenizer_name_or_path=model_dir, task="reverse", batch_size=BATCH, num_train_rows=64,
                             num_val_rows=4, max_new_tokens=6)
     trainer = Trainer(accelerator="cpu", max_steps=max_steps, limit_val_batches=0, logger=False,
@@ -80,7 +81,7 @@ def _fit(model_dir, root, reward, max_steps=2, ckpt_path=None, callbacks=(), **k
 def test_the_batch_is_made_of_informative_groups(tiny_model_dir, tmp_path):
     seen, metrics = _Seen(), _Metrics()
     _fit(tiny_model_dir, tmp_path, "reward_helpers.coarse_length", max_steps=3, callbacks=[seen, metrics],
-         dynamic_sampling_max_rounds=8)
+         max_rounds=8)
     assert len(seen.rollouts) == 3
     for prompts, rewards in seen.rollouts:
         assert len(prompts) == BATCH * K  # the batch size is kept
@@ -94,7 +95,7 @@ def test_cap_on_rounds_warns_and_keeps_the_batch_size(tiny_model_dir, tmp_path):
     seen, metrics = _Seen(), _Metrics()
     with pytest.warns(UserWarning, match="dynamic_sampling: step 0: 0 of 4 groups .*max_rounds=2"):
         _fit(tiny_model_dir, tmp_path, "reward_helpers.constant", max_steps=1, callbacks=[seen, metrics],
-             dynamic_sampling_max_rounds=2)
+             max_rounds=2)
     prompts, rewards = seen.rollouts[0]
     assert len(prompts) == BATCH * K
     assert metrics.rows[0]["train/dynamic_sampling_rounds"] == 2
@@ -115,9 +116,9 @@ def test_dynamic_sampling_under_ddp_keeps_ranks_in_step(tmp_path, tiny_model_dir
     from test_reliability import _cli, _env, _fit_args, _scalars
 
     args = _fit_args(tmp_path, tiny_model_dir, 3, "--trainer.strategy", "ddp", "--trainer.devices", "2",
-                     "--data.num_train_rows", "32", "--model.dynamic_sampling", "true",
-                     "--model.dynamic_sampling_max_rounds", "3",
-                     "--model.reward_funcs", "[reward_helpers.coarse_length]")
+                     "--data.num_train_rows", "32", "--model.dynamic_sampling.enabled", "true",
+                     "--model.dynamic_sampling.max_rounds", "3",
+                     "--model.rewards.funcs", "[reward_helpers.coarse_length]")
     run = _cli("ddp_dynamic", args, tmp_path, _env(_cache_dir)).wait(timeout=240)
     assert run.rc == 0, run.explain()
     scalars = _scalars(tmp_path / "lightning_logs" / "version_0")
