@@ -38,9 +38,10 @@ def _batch(tok, prompts):
     return collate_prompts(rows, tok.pad_token_id)
 
 
-def _module(path, **kwargs):
-    module = RLOOModule(model_name_or_path=path, reward_funcs=[REWARD], beta=kwargs.pop("beta", 0.0),
-                        max_new_tokens=kwargs.pop("max_new_tokens", 8), **kwargs)
+def _module(path, **groups):
+    module = RLOOModule(model_name_or_path=path, rewards={"funcs": [REWARD]},
+                        kl={"beta": 0.0, **groups.pop("kl", {})},
+                        sampling={"max_new_tokens": 8, **groups.pop("sampling", {})}, **groups)
     module.configure_model()
     return module
 
@@ -61,7 +62,7 @@ def test_module_samples_with_its_own_config_not_the_shipped_one(shipped_biased_d
 
     tok = module.tokenizer
     batch = _batch(tok, ["abcd="])
-    rollout = module.rollout(batch, 32, seed=module.sampling_seed("train", 0))
+    rollout = module.sample(batch, 32, seed=module.sampling_seed("train", 0))
     # top_k=1 (or min_p=0.9) would make all 32 identical; a random tiny model is near uniform.
     assert len(set(rollout.completions)) >= 16
     # suppress_tokens=[eos] would forbid ending; here some completions end.
@@ -108,10 +109,10 @@ def test_same_seed_same_rollout_and_step_seeds_differ(module):
     s0 = module.sampling_seed("train", 0)
     s1 = module.sampling_seed("train", 1)
     assert s0 != s1
-    a = module.rollout(batch, 4, s0)
+    a = module.sample(batch, 4, s0)
     torch.manual_seed(999)  # the global RNG state must not matter
-    b = module.rollout(batch, 4, s0)
-    c = module.rollout(batch, 4, s1)
+    b = module.sample(batch, 4, s0)
+    c = module.sample(batch, 4, s1)
     assert torch.equal(a.completion_ids, b.completion_ids)
     assert a.completions == b.completions
     assert not torch.equal(a.completion_ids, c.completion_ids)
@@ -125,24 +126,24 @@ def test_rollout_leaves_global_rng_untouched(module):
     state = torch.get_rng_state()
     expected_next = torch.rand(5)
     torch.set_rng_state(state)
-    module.rollout(batch, 4, seed=42)
+    module.sample(batch, 4, seed=42)
     assert torch.equal(torch.get_rng_state(), state)
     assert torch.equal(torch.rand(5), expected_next)
 
 
 def test_rollout_restores_training_mode(module):
     module.policy.train()
-    module.rollout(_batch(module.tokenizer, ["abc="]), 2, seed=0)
+    module.sample(_batch(module.tokenizer, ["abc="]), 2, seed=0)
     assert module.policy.training
     module.policy.eval()
-    module.rollout(_batch(module.tokenizer, ["abc="]), 2, seed=0)
+    module.sample(_batch(module.tokenizer, ["abc="]), 2, seed=0)
     assert not module.policy.training
     module.policy.train()
 
 
 def test_rollout_is_prompt_major(module):
     batch = _batch(module.tokenizer, ["abc=", "hgfedcb="])
-    r = module.rollout(batch, 3, seed=1)
+    r = module.sample(batch, 3, seed=1)
     assert r.prompts == ["abc="] * 3 + ["hgfedcb="] * 3
     assert r.columns["answer"] == ["cba"] * 3 + ["bcdefgh"] * 3
     assert torch.equal(r.prompt_ids, batch["input_ids"].repeat_interleave(3, 0))
@@ -165,4 +166,4 @@ def test_module_sampling_seed_depends_on_rank(module, monkeypatch):
     s_rank0 = module.sampling_seed("train", 3)
     monkeypatch.setattr(type(module), "global_rank", property(lambda self: 1))
     assert module.sampling_seed("train", 3) != s_rank0
-    assert module.sampling_seed("train", 3) == derive_seed(module.hparams.seed, 1, "train", 3)
+    assert module.sampling_seed("train", 3) == derive_seed(module.cfg.sampling.seed, 1, "train", 3)
