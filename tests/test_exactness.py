@@ -1,40 +1,40 @@
-"""The RLOO estimator, run through the project's objectives, is unbiased for grad J; broken ones are caught.
+"""RLOOModule's training step, run on an enumerable toy, is an unbiased estimator of grad J; bugs are caught.
 
-Fast version of ``scripts/exactness.py``: an enumerable tabular toy gives the exact gradient of
-``J = E[r] - beta * KL(pi || pi_ref)``; many sampled minibatches give the estimator's mean; a
-Bonferroni-corrected z-test (family-wise false-alarm rate 1e-3) compares them. Seeds are fixed.
+``rloo_lightning.exactness`` gives the exact gradient of ``J = E[r] - beta * KL(pi || pi_ref)`` by
+enumeration, and draws estimates from ``RLOOModule.training_step`` itself (its masks, reward
+scoring, log-probs, KL, baseline and loss). A Bonferroni-corrected z-test (family-wise false-alarm
+rate 1e-3) compares them; seeds are fixed. ``test_planted_bug_is_caught`` edits the training path
+one realistic bug at a time and checks that the exactness test, or a named fast test, fails.
 """
 
 from __future__ import annotations
 
+import inspect
+import textwrap
+
 import pytest
 import torch
 
-import rloo_lightning.exactness as exactness
+import rloo_lightning.module as module_py
+import rloo_lightning.rewards as rewards_py
+import rloo_lightning.rollout as rollout_py
+from rloo_lightning import advantages as advantages_py
+from rloo_lightning import logprobs as logprobs_py
+from rloo_lightning import losses as losses_py
 from rloo_lightning.exactness import (
+    TableSampler,
+    check_training_step,
     completion_code,
     completion_probabilities,
     enumerate_completions,
-    exact_gradient,
-    exact_objective,
-    kl_placement_target,
     make_toy,
-    minibatch_gradients,
-    row_logits,
-    sample_completions,
-    z_test,
-    check_estimator,
-)
-from rloo_lightning.objectives import (
-    completion_mask,
-    leave_one_out_advantages,
-    policy_loss,
-    sequence_kl,
-    token_logprobs,
+    toy_batch,
+    toy_module,
 )
 
-ALPHA = 1e-3
-BETA = 0.1
+pytestmark = pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")
+
+DRAWS = 300  # x 3 prompts x 16 repeats x k = 4: 57,600 sampled completions per check, about 2 s
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,205 +48,186 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def toy():
-    return make_toy(num_prompts=3, max_len=3, vocab=3, temperature=0.7, seed=0)
+    return make_toy()
 
 
-# -- the exact side --------------------------------------------------------------------------------
+# -- the exact side and the sampler ------------------------------------------------------------------
 def test_enumeration_is_the_whole_distribution(toy):
-    tokens, mask = enumerate_completions(3, 3, eos_id=2, pad_id=0)
-    # 1 (EOS) + 2 (x EOS) + 4 (xy EOS) + 8 truncated (xyz) completions.
-    assert tokens.shape == (15, 3)
-    assert len(set(completion_code(tokens, mask, 3).tolist())) == 15
-    # The project's mask agrees with the enumeration's own (padding 0 is not EOS, so it is real).
-    assert torch.equal(completion_mask(tokens, [2]), mask.float())
-    probs = completion_probabilities(toy)
-    torch.testing.assert_close(probs.sum(1), torch.ones(3, dtype=torch.float64))
+    completions = enumerate_completions(toy)
+    assert len(completions) == 1 + 2 + 4 + 8  # EOS, xEOS, xyEOS, xyz (truncated)
+    assert len({completion_code(y, toy.emit) for y in completions}) == 15
+    torch.testing.assert_close(completion_probabilities(toy).sum(1), torch.ones(3, dtype=torch.float64))
 
 
 def test_sampler_draws_from_the_enumerated_distribution(toy):
     """Otherwise the exact comparison would test the wrong distribution."""
-    n = 40_000
-    prompts = torch.arange(3).repeat_interleave(n)
-    tokens = sample_completions(toy, prompts, torch.Generator().manual_seed(7))
-    codes = completion_code(tokens, completion_mask(tokens, [toy.eos_id]), toy.vocab)
-    enum_tokens, enum_mask = enumerate_completions(3, 3, toy.eos_id, toy.pad_id)
-    enum_codes = completion_code(enum_tokens, enum_mask, 3)
-    freq = (codes.view(3, n, 1) == enum_codes.view(1, 1, -1)).double().mean(1)
+    n = 20_000
+    batch = toy_batch(toy, n)
+    config = type("C", (), {"temperature": toy.temperature, "max_new_tokens": toy.max_len})()
+    ids = TableSampler(toy, seed=3).generate(None, toy.tokenizer, batch["input_ids"], batch["attention_mask"],
+                                              config, 0)
+    enumerated = enumerate_completions(toy)
+    index = {completion_code(y, toy.emit): c for c, y in enumerate(enumerated)}
+    codes = [index[completion_code([t for t in row if t in toy.emit][: _length(row, toy)], toy.emit)]
+             for row in ids.tolist()]
+    freq = torch.zeros(3, len(enumerated), dtype=torch.float64)
+    for row, c in enumerate(codes):
+        freq[row // n, c] += 1.0 / n
     p = completion_probabilities(toy)
-    assert torch.allclose(freq.sum(1), torch.ones(3, dtype=torch.float64))  # every sample is enumerated
     z = (freq - p) / (p * (1 - p) / n).sqrt()
     assert z.abs().max() < 4.5  # Bonferroni over 45 cells at ~1e-3 family-wise
 
 
-def test_exact_gradient_matches_finite_differences(toy):
-    grad = exact_gradient(toy, BETA)
-    theta = toy.policy_logits.clone().reshape(-1)
-    eps = 1e-6
-    fd = torch.empty_like(theta)
-    for i in range(theta.numel()):
-        up, down = theta.clone(), theta.clone()
-        up[i] += eps
-        down[i] -= eps
-        fd[i] = (exact_objective(toy, BETA, up.view_as(toy.policy_logits))
-                 - exact_objective(toy, BETA, down.view_as(toy.policy_logits))) / (2 * eps)
-    torch.testing.assert_close(grad, fd, atol=1e-8, rtol=1e-6)
-    assert grad.abs().max() > 1e-2  # not a vacuous comparison
+def _length(row: list[int], toy) -> int:
+    return row.index(toy.eos_id) + 1 if toy.eos_id in row else toy.max_len
 
 
-def test_exact_gradient_is_the_score_function_identity(toy):
-    """grad J = mean_p E[(r - beta*log pi/pi_ref) grad log pi]: the identity RLOO estimates."""
-    tokens, mask = enumerate_completions(3, 3, toy.eos_id, toy.pad_id)
-    theta = toy.policy_logits.clone().requires_grad_(True)
-    surrogate = 0.0
-    for p in range(3):
-        prompts = torch.full((tokens.shape[0],), p)
-        lp_tok = torch.log_softmax(row_logits(theta, prompts, tokens, toy.eos_id) / toy.temperature, -1)
-        ref_tok = torch.log_softmax(row_logits(toy.ref_logits, prompts, tokens, toy.eos_id) / toy.temperature, -1)
-        logp = (lp_tok.gather(-1, tokens[..., None]).squeeze(-1) * mask).sum(1)
-        ref = (ref_tok.gather(-1, tokens[..., None]).squeeze(-1) * mask).sum(1)
-        reward = toy.rewards[p, completion_code(tokens, mask, 3)]
-        weight = logp.exp().detach() * (reward - BETA * (logp.detach() - ref))
-        surrogate = surrogate + (weight * logp).sum() / 3
-    (grad,) = torch.autograd.grad(surrogate, theta)
-    torch.testing.assert_close(grad.reshape(-1), exact_gradient(toy, BETA))
+def test_toy_logits_depend_on_position_ids_and_the_previous_token(toy):
+    """What makes dropped position ids and shifted logits visible: left padding changes the default positions."""
+    module = toy_module(toy)
+    batch = toy_batch(toy, 1)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    with_ids = module.policy(ids, mask, position_ids=positions).logits
+    without = module.policy(ids, mask).logits
+    assert torch.equal(with_ids[2], without[2])  # the longest prompt has no padding
+    assert not torch.equal(with_ids[0, -1], without[0, -1])  # the padded one is shifted
+    shifted = torch.cat([ids[:, :1], ids[:, :-1]], 1)
+    assert not torch.equal(module.policy(shifted, mask, position_ids=positions).logits[:, -1], with_ids[:, -1])
 
 
-# -- the harness computes the project's estimator, one minibatch at a time ---------------------------
-def test_vectorised_draws_equal_per_minibatch_project_gradients(toy):
-    k, n, seed = 3, 4, 11
-    draws = minibatch_gradients(toy, k, BETA, n, seed)
-    prompts_all = torch.arange(3).repeat_interleave(k).repeat(n)
-    tokens_all = sample_completions(toy, prompts_all, torch.Generator().manual_seed(seed))
-    batch = 3 * k
-    for m in range(n):
-        prompts, tokens = prompts_all[m * batch:(m + 1) * batch], tokens_all[m * batch:(m + 1) * batch]
-        theta = toy.policy_logits.clone().requires_grad_(True)
-        logp = token_logprobs(row_logits(theta, prompts, tokens, toy.eos_id), tokens, toy.temperature)
-        ref_logp = token_logprobs(row_logits(toy.ref_logits, prompts, tokens, toy.eos_id), tokens, toy.temperature)
-        mask = completion_mask(tokens, [toy.eos_id])
-        r = toy.rewards[prompts, completion_code(tokens, mask, 3)].float()
-        adv = leave_one_out_advantages(r - BETA * sequence_kl(logp.detach(), ref_logp, mask), k)
-        (grad,) = torch.autograd.grad(-policy_loss(adv, logp, mask), theta)
-        torch.testing.assert_close(draws[m], grad.reshape(-1), atol=1e-6, rtol=1e-5)
-
-
-def test_policy_loss_makes_an_undetached_kl_harmless(toy):
-    """policy_loss detaches A itself, so a KL left attached in R cannot leak a gradient through it;
-    the harness's ``reward_k1_not_detached`` variant therefore forms the loss without that detach."""
-    tokens = sample_completions(toy, torch.arange(3).repeat_interleave(4), torch.Generator().manual_seed(3))
-    prompts = torch.arange(3).repeat_interleave(4)
-    logits = row_logits(toy.policy_logits, prompts, tokens, toy.eos_id).detach().requires_grad_(True)
-    logp = token_logprobs(logits, tokens, toy.temperature)
-    ref_logp = token_logprobs(row_logits(toy.ref_logits, prompts, tokens, toy.eos_id), tokens, toy.temperature)
-    mask = completion_mask(tokens, [toy.eos_id])
-    grads = []
-    for kl in (sequence_kl(logp.detach(), ref_logp, mask), sequence_kl(logp, ref_logp, mask)):
-        adv = leave_one_out_advantages(torch.ones(12) - kl, 4)
-        grads.append(torch.autograd.grad(policy_loss(adv, logp, mask), logits, retain_graph=True)[0])
-    torch.testing.assert_close(grads[0], grads[1])
-
-
-# -- the z-test --------------------------------------------------------------------------------------
-def test_z_test_false_alarm_rate_and_power():
-    g = torch.Generator().manual_seed(0)
-    exact = torch.linspace(-1, 1, 20, dtype=torch.float64)
-    rejections = sum(
-        not z_test(exact + torch.randn(500, 20, generator=g, dtype=torch.float64), exact, alpha=0.05).unbiased
-        for _ in range(200)
-    )
-    assert rejections <= 20  # Bonferroni keeps the family-wise rate <= 5% (10 expected at most)
-    shifted = exact + 0.5 + torch.randn(500, 20, generator=g, dtype=torch.float64)
-    assert not z_test(shifted, exact, alpha=0.05).unbiased
-
-
-# -- unbiasedness of the project's default, and the harness's power ----------------------------------
-@pytest.mark.parametrize("k", [2, 4])
-@pytest.mark.parametrize("beta", [0.0, BETA])
-def test_default_estimator_is_unbiased(toy, k, beta):
-    result = check_estimator(toy, k, beta, num_minibatches=20_000, seed=100 + k, alpha=ALPHA)
-    assert result.num_coords == 45  # every reachable table entry is tested (3 prompts x 15)
+# -- the training step is unbiased, and biased options are measured as biased -------------------------
+@pytest.mark.parametrize("options", [
+    {},  # the paper's default: k = 4, beta = 0.1, k1 in the reward, leave-one-out, sequence sum
+    {"sampling": {"k": 2}, "kl": {"beta": 0.0}},
+    {"update": {"micro_batch_size": 40}},  # micro-batched: the same estimator
+    {"advantage": {"baseline": "none"}},  # vanilla REINFORCE: unbiased, higher variance
+    {"kl": {"beta": 0.1, "placement": "token_reward"}},  # OpenRLHF's placement with k1: unbiased
+], ids=["default", "k2-beta0", "micro-batched", "no-baseline", "token-reward-kl"])
+def test_training_step_is_unbiased(toy, options):
+    result = check_training_step(toy, DRAWS, options=options)
     assert result.unbiased, result
-    assert result.max_abs_z < result.z_crit
 
 
-@pytest.mark.parametrize(
-    ("k", "beta", "variant"),
-    [
-        # A self-inclusive max baseline depends on y_i non-linearly: E[b_i grad log pi(y_i)] != 0.
-        pytest.param(4, 0.0, {"baseline": "group_max"}, id="baseline_includes_self_max"),
-        # A self-inclusive mean without the k/(k-1) rescale estimates (k-1)/k grad J, not grad J.
-        pytest.param(2, 0.0, {"baseline": "group_mean"}, id="baseline_includes_self_mean"),
-        pytest.param(4, BETA, {"mask_leak": True}, id="mask_leaks_one_pad_token"),
-        pytest.param(4, 0.0, {"mask_leak": True}, id="mask_leaks_one_pad_token_beta0"),
-        pytest.param(4, BETA, {"kl_mode": "reward_k1_not_detached"}, id="kl_not_detached"),
-        pytest.param(4, BETA, {"kl_mode": "loss_k1"}, id="k1_as_loss_term"),
-        pytest.param(4, 0.0, {"baseline": "group_mean_std"}, id="grpo_std_scaling"),
-        pytest.param(4, 0.0, {"aggregation": "token_mean"}, id="token_mean"),
-    ],
-)
-def test_harness_detects_bias(toy, k, beta, variant):
-    result = check_estimator(toy, k, beta, num_minibatches=5_000, seed=200 + k, alpha=ALPHA, **variant)
-    assert not result.unbiased, result
-    assert result.max_abs_z > 2 * result.z_crit  # by a wide margin, not by luck
+@pytest.mark.parametrize("options", [
+    {"advantage": {"baseline": "group_mean_std"}},  # GRPO's std division
+    {"kl": {"beta": 0.3, "estimator": "k3"}},  # k3 in the reward
+    {"update": {"loss_aggregation": "token_mean"}},  # length-weighted
+], ids=["grpo-std", "k3-in-reward", "token-mean"])
+def test_biased_options_are_measured_as_biased(toy, options):
+    assert not check_training_step(toy, DRAWS, options=options).unbiased
 
 
-def test_same_seeds_without_the_bug_pass(toy):
-    """The detection above is the bug's doing: the same seeds and size pass with the default."""
-    for k, beta in ((2, 0.0), (4, 0.0), (4, BETA)):
-        assert check_estimator(toy, k, beta, num_minibatches=5_000, seed=200 + k, alpha=ALPHA).unbiased
+# -- named fast checks of what the exactness test cannot see ----------------------------------------
+def check_advantages_are_leave_one_out_within_each_prompt(toy) -> None:
+    """A wrong grouping keeps the estimator unbiased (the baseline is still independent of y_i), so the
+    exactness test cannot see it: the advantages of a fixed rollout are checked by hand."""
+    module = toy_module(toy, {"kl": {"beta": 0.0}, "sampling": {"k": 4}})
+    rollout = module.sample(toy_batch(toy, 1), 4, seed=0)
+    rollout.rewards = torch.tensor([1.0, 2.0, 3.0, 6.0, 0.0, 0.0, 4.0, 4.0, 5.0, 1.0, 1.0, 1.0])
+    module.rollout_loss(rollout)
+    expected = torch.tensor([1 - 11 / 3, 2 - 10 / 3, 3 - 3, 6 - 2, 0 - 8 / 3, 0 - 8 / 3, 4 - 4 / 3, 4 - 4 / 3,
+                             5 - 1, 1 - 7 / 3, 1 - 7 / 3, 1 - 7 / 3])
+    torch.testing.assert_close(rollout.advantages, expected)
 
 
-@pytest.mark.parametrize("kl_mode", ["loss_k1", "loss_k3", "reward_k1_not_detached"])
-def test_other_kl_placements_estimate_their_derived_targets(toy, kl_mode):
-    """The biased placements are biased *because* they estimate another gradient, derived in
-    ``kl_placement_target`` (e.g. the k1 loss term has zero expected gradient), and the harness
-    confirms each derivation; the same draws are far from grad J."""
-    draws = minibatch_gradients(toy, 4, BETA, 20_000, seed=300, kl_mode=kl_mode)
-    assert z_test(draws, kl_placement_target(toy, BETA, kl_mode), ALPHA).unbiased
-    assert not z_test(draws, exact_gradient(toy, BETA), ALPHA).unbiased
+def check_missing_reward_is_left_out_of_the_baseline(toy) -> None:
+    """A reward function's None is a missing reward: out of its group's baseline, advantage 0 (not a 0 reward)."""
+    module = toy_module(toy, {"kl": {"beta": 0.0}})
+    values = iter([1.0, None, 3.0, 5.0] * 3)
+    module.rewards.funcs[0] = lambda prompts, completions, completion_ids, **c: [next(values) for _ in prompts]
+    rollout = module.sample(toy_batch(toy, 1), 4, seed=0)
+    module.score(rollout)
+    module.rollout_loss(rollout)
+    torch.testing.assert_close(rollout.advantages, torch.tensor([1 - 4.0, 0.0, 3 - 3.0, 5 - 2.0] * 3))
 
 
-def test_openrlhf_token_reward_placement_is_unbiased_with_k1(toy):
-    """kl_placement=token_reward (OpenRLHF): the KL's reward-to-go keeps causality, and k1's pathwise
-    term E[grad k1] = E[grad log pi] = 0, so it estimates grad J too (with no baseline on the KL part)."""
-    for k in (2, 4):
-        result = check_estimator(toy, k, BETA, num_minibatches=20_000, seed=500 + k, alpha=ALPHA,
-                                 kl_mode="token_reward_k1")
-        assert result.unbiased, result
+def test_advantages_are_leave_one_out_within_each_prompt(toy):
+    check_advantages_are_leave_one_out_within_each_prompt(toy)
 
 
-@pytest.mark.parametrize("kl_mode", ["reward_k2_detached", "reward_k3_detached"])
-def test_k2_or_k3_in_the_reward_is_biased(toy, kl_mode):
-    """kl_estimator=k2/k3 with placement reward: the detached sum as a reward drops the estimator's
-    pathwise gradient, which (unlike k1's, E[grad log pi] = 0) is not zero in expectation."""
-    result = check_estimator(toy, 4, BETA, num_minibatches=20_000, seed=600, alpha=ALPHA, kl_mode=kl_mode)
-    assert not result.unbiased, result
+def test_missing_reward_is_left_out_of_the_baseline(toy):
+    check_missing_reward_is_left_out_of_the_baseline(toy)
 
 
-@pytest.mark.parametrize("signal", ["score", "shaped"])
-def test_dropping_zero_variance_groups_and_averaging_over_kept_rows_is_biased(signal):
-    """The module divides the loss by the number of kept rows when ZeroVarianceFilter drops groups.
-    With binary rewards (many all-equal groups) that random divisor biases the estimator of grad J."""
-    binary = make_toy(rewards="binary")
-    result = check_estimator(binary, 4, 0.0, 5_000, seed=400, alpha=ALPHA, zero_variance_filter=signal)
-    assert not result.unbiased, result
-    assert check_estimator(binary, 4, 0.0, 5_000, seed=400, alpha=ALPHA).unbiased
+# -- planted bugs ---------------------------------------------------------------------------------------
+def _mutated(func, *edits: tuple[str, str]):
+    """``func`` recompiled from its source with each ``old -> new`` edit applied (each must occur)."""
+    source = textwrap.dedent(inspect.getsource(func))
+    for old, new in edits:
+        assert old in source, f"{func.__qualname__} no longer contains {old!r}: update the planted bug"
+        source = source.replace(old, new)
+    namespace: dict = {}
+    exec(compile(source, f"<planted bug in {func.__qualname__}>", "exec"), func.__globals__, namespace)
+    return namespace[func.__name__]
 
 
-def _mask_without_eos(ids, eos_ids):
-    return (torch.cumsum(torch.isin(ids, torch.as_tensor(eos_ids)).int(), dim=1) == 0).float()
+def _self_inclusive_baseline(rewards, k):
+    groups = rewards.view(-1, k)
+    return (groups - groups.nanmean(1, keepdim=True)).reshape(-1)
 
 
-@pytest.mark.parametrize(
-    ("name", "replacement", "beta"),
-    [
-        ("token_logprobs", lambda logits, tokens, temperature=1.0: token_logprobs(logits, tokens, 1.0), 0.0),
-        ("completion_mask", _mask_without_eos, 0.0),
-        ("sequence_kl", lambda logp, ref, mask: sequence_kl(ref, logp, mask), BETA),
-    ],
-    ids=["temperature_ignored", "mask_drops_eos", "kl_sign_flipped"],
-)
-def test_broken_project_functions_are_caught(toy, monkeypatch, name, replacement, beta):
-    """Mutants of the objectives the harness calls: the default-path check must fail on each."""
-    monkeypatch.setattr(exactness, name, replacement)
-    assert not check_estimator(toy, 4, beta, num_minibatches=5_000, seed=500, alpha=ALPHA).unbiased
+def _regrouped(leave_one_out):
+    """Groups of k taken across prompts (rows i, i+N, ...) instead of the k samples of one prompt."""
+    def wrong(rewards, k):
+        n = rewards.numel() // k
+        return leave_one_out(rewards.view(k, n).t().reshape(-1), k).view(n, k).t().reshape(-1)
+    return wrong
+
+
+# name -> [(owner, attribute, make(original) -> replacement)]; each edit is where the training path runs it.
+BUGS = {
+    "baseline includes the sample": [(advantages_py, "leave_one_out_advantages", lambda f: _self_inclusive_baseline)],
+    "wrong grouping": [(advantages_py, "leave_one_out_advantages", _regrouped)],
+    "mask drops EOS": [(rollout_py, "completion_mask", lambda f: _mutated(
+        f, ("return (eos_before == 0).float()", "return ((eos_before == 0) & ~is_eos).float()")))],
+    "mask keeps a pad": [(rollout_py, "completion_mask", lambda f: _mutated(
+        f, ("return (eos_before == 0).float()", "return (torch.nn.functional.pad(eos_before, (1, 0))[:, :-1] == 0)"
+                                                ".float()")))],
+    "KL not detached": [
+        (module_py.RLOOModule, "rollout_loss", lambda f: _mutated(
+            f, ("rollout.rewards, logp.detach(), rollout.ref_logp", "rollout.rewards, logp, rollout.ref_logp"))),
+        (losses_py.PolicyLoss, "__call__", lambda f: _mutated(f, ("-advantages.detach()", "-advantages")))],
+    "KL sign flipped": [(module_py, "fold_kl", lambda f: _mutated(f, ("rewards - beta * kl", "rewards + beta * kl")))],
+    "log-probs at temperature 1": [(module_py.RLOOModule, "logprobs", lambda f: _mutated(
+        f, ("self.cfg.sampling.temperature", "1.0")))],
+    "logits shifted by one": [(logprobs_py, "completion_logits", lambda f: _mutated(
+        f, ("return out.logits[:, :-1]", "return out.logits[:, 1:]")))],
+    "position ids dropped": [(logprobs_py, "completion_logits", lambda f: _mutated(
+        f, ("position_ids=position_ids", "position_ids=None")))],
+    "token mean instead of sequence sum": [(losses_py.PolicyLoss, "__call__", lambda f: _mutated(
+        f, ("loss = aggregate_token_loss(per_token, mask, self.aggregation,",
+            "loss = aggregate_token_loss(per_token, mask, 'token_mean',")))],
+    "advantage of the unshaped reward": [(module_py.RLOOModule, "compute_advantages", lambda f: _mutated(
+        f, ("self.advantage_estimator(rollout.shaped_rewards,", "self.advantage_estimator(rollout.rewards,")))],
+    "missing reward counted as 0": [(rewards_py, "to_floats", lambda f: _mutated(
+        f, ("out.append(math.nan)", "out.append(0.0)")))],
+}
+NAMED_CHECKS = [check_advantages_are_leave_one_out_within_each_prompt, check_missing_reward_is_left_out_of_the_baseline]
+
+
+def _caught(toy) -> list[str]:
+    """Which checks fail: the exactness test of the default step, then the named fast checks."""
+    failed = []
+    try:
+        if not check_training_step(toy, DRAWS).unbiased:
+            failed.append("exactness")
+    except Exception as err:  # a bug that crashes the step is caught too
+        failed.append(f"exactness raised {type(err).__name__}")
+    for check in NAMED_CHECKS:
+        try:
+            check(toy)
+        except Exception:
+            failed.append(check.__name__)
+    return failed
+
+
+def test_the_checks_pass_without_a_planted_bug(toy):
+    assert _caught(toy) == []
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_planted_bug_is_caught(toy, bug, monkeypatch):
+    for owner, attribute, make in BUGS[bug]:
+        monkeypatch.setattr(owner, attribute, make(getattr(owner, attribute)))
+    assert _caught(toy), f"planted bug {bug!r} passed every check"
