@@ -11,14 +11,15 @@ from rloo_lightning import RLOOModule
 from module_helpers import REWARD, configured_module, scored_rollout
 
 from rloo_lightning.data import PromptDataModule
+from rloo_lightning.update import micro_batches
 
 pytest.importorskip("peft")
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 
 
-def _module(model_dir: str, **kw) -> RLOOModule:
-    return configured_module(model_dir, **{"lora": LORA, "beta": 0.1, **kw})
+def _module(model_dir: str, lora: dict | None = LORA, beta: float = 0.1, lora_export: str = "merged") -> RLOOModule:
+    return configured_module(model_dir, policy={"lora": lora, "lora_export": lora_export}, kl={"beta": beta})
 
 
 _rollout = scored_rollout
@@ -54,11 +55,11 @@ def test_reference_is_the_base_model_with_the_adapter_disabled(tiny_model_dir):
     module.rollout_loss(rollout)
     assert rollout.kl.abs().max() > 1e-3
     base = _module(tiny_model_dir, lora=None, beta=0.0)
-    expected, _ = base.sequence_logprobs(base.policy, rollout)
-    ref = module.reference_logprobs(rollout, module.micro_batches(rollout.completion_ids.shape[0]))
+    expected, _ = base.logprobs(base.policy, rollout)
+    ref = module.reference_logprobs(rollout, micro_batches(rollout.completion_ids.shape[0], None))
     torch.testing.assert_close(ref, expected, rtol=1e-5, atol=1e-6)
     # and the adapter is back on afterwards
-    policy_logp, _ = module.sequence_logprobs(module.policy, rollout)
+    policy_logp, _ = module.logprobs(module.policy, rollout)
     assert not torch.allclose(policy_logp, expected)
 
 
@@ -72,9 +73,10 @@ def test_gradient_reaches_the_adapter_only(tiny_model_dir):
     assert any(g is not None and g.abs().max() > 0 for n, g in grads.items() if "lora_A" in n)
 
 
-def _fit(model_dir, root, max_steps, ckpt_path=None, **kw):
-    module = RLOOModule(model_dir, reward_funcs=[REWARD], k=4, max_new_tokens=6, lora=LORA, validate_at_start=False,
-                        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), **kw)
+def _fit(model_dir, root, max_steps, ckpt_path=None, **groups):
+    module = RLOOModule(model_dir, rewards={"funcs": [REWARD]}, sampling={"k": 4, "max_new_tokens": 6},
+                        policy={"lora": LORA}, validation={"at_start": False},
+                        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), **groups)
     data = PromptDataModule(tokenizer_name_or_path=model_dir, task="reverse", batch_size=4,
                             num_train_rows=16, num_val_rows=4, max_new_tokens=6)
     trainer = Trainer(accelerator="cpu", max_steps=max_steps, limit_val_batches=0, logger=False,
@@ -128,15 +130,15 @@ def test_export_merged_or_adapter_reproduces_the_policy(tiny_model_dir, tmp_path
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"r": 4, "no_such_option": 1}, "not a valid peft.LoraConfig"),
-    ({"task_type": "SEQ_CLS"}, "task_type"),
-    ({}, "non-empty mapping"),
+    ({"r": 4, "no_such_option": 1}, "policy.lora=.* is not a valid peft.LoraConfig"),
+    ({"task_type": "SEQ_CLS"}, "policy.lora: task_type"),
+    ({}, "policy.lora must be a non-empty mapping"),
 ])
 def test_bad_lora_options_fail_at_construction(tiny_model_dir, bad, match):
     with pytest.raises(ValueError, match=match):
-        RLOOModule(tiny_model_dir, reward_funcs=[REWARD], lora=bad)
+        RLOOModule(tiny_model_dir, rewards={"funcs": [REWARD]}, policy={"lora": bad})
 
 
 def test_bad_lora_export_names_the_option(tiny_model_dir):
-    with pytest.raises(ValueError, match="lora_export"):
-        RLOOModule(tiny_model_dir, reward_funcs=[REWARD], lora=LORA, lora_export="both")
+    with pytest.raises(ValueError, match="policy.lora_export must be one of 'merged', 'adapter'; got 'both'"):
+        RLOOModule(tiny_model_dir, rewards={"funcs": [REWARD]}, policy={"lora": LORA, "lora_export": "both"})
