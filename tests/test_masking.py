@@ -1,7 +1,8 @@
 """Masking, offsets, temperature and the gradient of the loss, on a tiny random Llama.
 
 Every check builds the loss exactly as ``RLOOModule.training_step`` does (``completion_logits`` ->
-``token_logprobs`` -> ``policy_loss``), or calls ``training_step`` itself.
+``token_logprobs`` -> ``aggregate_token_loss(-A * logp, mask, "seq_sum")``, the default loss), or calls
+``training_step`` itself.
 """
 
 from __future__ import annotations
@@ -13,18 +14,31 @@ import torch
 
 from rloo_lightning.data import collate_prompts
 from rloo_lightning.module import RLOOModule
-from rloo_lightning.objectives import completion_mask, policy_loss, token_logprobs
+from rloo_lightning import logprobs
+from rloo_lightning.logprobs import completion_mask, token_logprobs
+from rloo_lightning.losses import aggregate_token_loss
 from rloo_lightning.rollout import Rollout
 
 REWARD = "rloo_lightning.tasks.reverse.reward"
 
 
-def _module(path, **kwargs) -> RLOOModule:
-    kwargs.setdefault("beta", 0.0)
-    kwargs.setdefault("max_new_tokens", 6)
-    module = RLOOModule(model_name_or_path=path, reward_funcs=kwargs.pop("reward_funcs", [REWARD]), **kwargs)
+def _module(path, **groups) -> RLOOModule:
+    module = RLOOModule(model_name_or_path=path, rewards={"funcs": [REWARD], **groups.pop("rewards", {})},
+                        kl={"beta": 0.0, **groups.pop("kl", {})},
+                        sampling={"max_new_tokens": 6, **groups.pop("sampling", {})}, **groups)
     module.configure_model()
     return module
+
+
+def completion_logits(model, rollout: Rollout) -> torch.Tensor:
+    """The training path's logits ``[B, T', V]`` predicting the completion tokens of ``rollout``."""
+    return logprobs.completion_logits(model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
+                                      rollout.completion_mask)
+
+
+def policy_loss(advantages: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The default loss of the update: ``-1/B sum_i A_i sum_t m_t logp_t``."""
+    return aggregate_token_loss(-advantages.detach()[:, None] * logp, mask, "seq_sum")
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +114,7 @@ def _params(module):
 
 
 def loss_and_grads(module, rollout, adv, model=None, edit_logits=None, temperature=1.0):
-    logits = module.completion_logits(model if model is not None else module.policy, rollout)
+    logits = completion_logits(model if model is not None else module.policy, rollout)
     if edit_logits is not None:
         logits = edit_logits(logits)
     logp = token_logprobs(logits, rollout.completion_ids, temperature)
@@ -208,7 +222,7 @@ def test_logits_at_prompt_positions_do_not_change_loss_or_gradient(module, rollo
 
 
 def test_completion_logits_offset_matches_unpadded_naive_forward(module, rollout):
-    logp = token_logprobs(module.completion_logits(module.policy, rollout), rollout.completion_ids)
+    logp = token_logprobs(completion_logits(module.policy, rollout), rollout.completion_ids)
     with torch.no_grad():
         for i in range(rollout.completion_ids.shape[0]):
             p = rollout.prompt_ids[i][rollout.prompt_mask[i].bool()]
@@ -221,7 +235,7 @@ def test_completion_logits_offset_matches_unpadded_naive_forward(module, rollout
 
 
 def test_tokens_after_first_eos_carry_no_gradient(module, rollout):
-    logits = module.completion_logits(module.policy, rollout).detach().requires_grad_(True)
+    logits = completion_logits(module.policy, rollout).detach().requires_grad_(True)
     logp = token_logprobs(logits, rollout.completion_ids)
     logp.retain_grad()
     policy_loss(ADV, logp, rollout.completion_mask).backward()
@@ -238,22 +252,23 @@ def test_left_padding_amount_does_not_change_completion_logprobs(model_dir):
     completions = [[b, a, eos], [a, a, b]]
     results = []
     for extra in (0, 3, 9):
-        r = make_rollout(tok, ["cab="], completions, k=2, extra_pad=extra)
+        # A second, longer prompt pads the first by ``extra`` (padding common to every row would be cut).
+        r = make_rollout(tok, ["cab=", "h" * extra + "cab="], completions * 2, k=2)
         assert int((r.prompt_mask == 0).sum(1)[0]) == extra
         with torch.no_grad():
-            results.append(token_logprobs(module.completion_logits(module.policy, r), r.completion_ids, 0.7))
+            results.append(token_logprobs(completion_logits(module.policy, r), r.completion_ids, 0.7)[:2])
     for other in results[1:]:
         torch.testing.assert_close(other, results[0], rtol=1e-5, atol=1e-5)
 
 
 def test_logprobs_under_temperature_equal_the_sampled_distribution(model_dir):
     T = 0.7
-    module = _module(model_dir, temperature=T, max_new_tokens=6)
+    module = _module(model_dir, sampling={"temperature": T, "max_new_tokens": 6})
     tok = module.tokenizer
     rows = [{"input_ids": _ids(tok, p), "prompt": p, "columns": {}} for p in ("abc=", "hgfedcb=")]
     batch = collate_prompts(rows, tok.pad_token_id)
     k, seed = 3, 1234
-    rollout = module.rollout(batch, k, seed)
+    rollout = module.sample(batch, k, seed)
 
     prompt_ids = batch["input_ids"].repeat_interleave(k, 0)
     prompt_mask = batch["attention_mask"].repeat_interleave(k, 0)
@@ -273,7 +288,7 @@ def test_logprobs_under_temperature_equal_the_sampled_distribution(model_dir):
     assert torch.isfinite(scores[mask]).all()  # nothing truncated (no top-k / top-p / min-p)
     sampled = torch.log_softmax(scores, -1).gather(-1, ids[..., None])[..., 0]
     with torch.no_grad():
-        logits = module.completion_logits(module.policy, rollout)
+        logits = completion_logits(module.policy, rollout)
         logp = token_logprobs(logits, ids, T)
         logp_wrong_t = token_logprobs(logits, ids, 1.0)
     torch.testing.assert_close(logp[mask], sampled[mask], rtol=1e-4, atol=1e-4)
@@ -293,8 +308,8 @@ def test_training_step_gradient_equals_hand_computed_reinforce(tiny_model_dir, m
     from lightning.pytorch import Trainer
 
     N, k, beta, T = 2, 3, 0.1, 0.7
-    module = _module(tiny_model_dir, k=k, beta=beta, temperature=T, max_new_tokens=6,
-                     reward_funcs=[_position_reward])
+    module = _module(tiny_model_dir, sampling={"k": k, "temperature": T, "max_new_tokens": 6}, kl={"beta": beta},
+                     rewards={"funcs": [_position_reward]})
     assert module.reference is not None
     # move the policy away from the reference so that the KL term is not 0
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -305,13 +320,13 @@ def test_training_step_gradient_equals_hand_computed_reinforce(tiny_model_dir, m
                              enable_progress_bar=False, enable_model_summary=False)
     monkeypatch.setattr(module, "log", lambda *a, **kw: None)
     recorded = {}
-    original = module.rollout
+    original = module.sample
 
-    def recording_rollout(*args, **kwargs):
+    def recording_sample(*args, **kwargs):
         recorded["rollout"] = original(*args, **kwargs)
         return recorded["rollout"]
 
-    monkeypatch.setattr(module, "rollout", recording_rollout)
+    monkeypatch.setattr(module, "sample", recording_sample)
 
     tok = module.tokenizer
     rows = [{"input_ids": _ids(tok, p), "prompt": p, "columns": {}} for p in ("abc=", "hgfedcb=")]
@@ -376,7 +391,7 @@ def test_pad_eos_eos_is_in_the_mask_and_in_the_loss(module_pad_eos):
     assert r.completion_mask.tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
 
     adv = torch.tensor([1.0, -2.0, 0.5, 0.5])
-    logits = module.completion_logits(module.policy, r).detach().requires_grad_(True)
+    logits = completion_logits(module.policy, r).detach().requires_grad_(True)
     logp = token_logprobs(logits, r.completion_ids)
     loss = policy_loss(adv, logp, r.completion_mask)
     loss.backward()
@@ -399,7 +414,7 @@ def test_pad_eos_sampled_rollout_keeps_the_eos(module_pad_eos):
     eos = tok.eos_token_id
     rows = [{"input_ids": _ids(tok, p), "prompt": p, "columns": {}} for p in ("abc=", "hgfedcb=")]
     batch = collate_prompts(rows, tok.pad_token_id)
-    r = module.rollout(batch, 8, seed=5)
+    r = module.sample(batch, 8, seed=5)
     ids, mask = r.completion_ids, r.completion_mask
     ended = ~r.truncated
     assert ended.any()
