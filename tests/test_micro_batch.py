@@ -14,13 +14,13 @@ _module, _batch = configured_module, prompt_batch
 
 
 def _loss_and_grads(model_dir: str, micro: int | None, beta: float, keep_mask=None):
-    module = _module(model_dir, micro_batch_size=micro, beta=beta)
-    rollout = module.rollout(_batch(module.tokenizer), 3, seed=11)
+    module = _module(model_dir, update={"micro_batch_size": micro}, kl={"beta": beta},
+                     shaping={"mask_truncated_completions": keep_mask is not None})
+    rollout = module.sample(_batch(module.tokenizer), 3, seed=11)
     gen = torch.Generator().manual_seed(3)
     rollout.rewards = torch.rand(rollout.completion_ids.shape[0], generator=gen)
     if keep_mask is not None:
-        rollout.truncated = ~keep_mask  # with mask_truncated_completions these rows leave the loss
-        module.hparams.mask_truncated_completions = True
+        rollout.truncated = ~keep_mask  # with shaping.mask_truncated_completions these rows leave the loss
     loss, entropy = module.rollout_loss(rollout)
     module.on_before_backward(loss)  # what Lightning calls before its backward
     loss.backward()
@@ -47,8 +47,8 @@ def test_micro_batched_update_equals_the_unsplit_one(tiny_model_dir, micro, beta
 
 
 def test_micro_batches_bound_the_rows_per_forward(tiny_model_dir):
-    module = _module(tiny_model_dir, micro_batch_size=5, beta=0.1)
-    rollout = module.rollout(_batch(module.tokenizer), 3, seed=11)
+    module = _module(tiny_model_dir, update={"micro_batch_size": 5}, kl={"beta": 0.1})
+    rollout = module.sample(_batch(module.tokenizer), 3, seed=11)
     rollout.rewards = torch.linspace(0, 1, 12)
     rows = []
     hook = module.policy.model.register_forward_pre_hook(
@@ -59,9 +59,10 @@ def test_micro_batches_bound_the_rows_per_forward(tiny_model_dir):
         hook.remove()
     # a no-grad pass for the KL, then the grad pass; never more than 5 rows at once
     assert rows == [5, 5, 2, 5, 5, 2]
-    assert module._grad_stash is not None and len(module._grad_stash) == len(list(module.policy.parameters()))
+    stash = module.grad_stash.grads
+    assert stash is not None and len(stash) == len(list(module.policy.parameters()))
 
 
 def test_micro_batch_size_must_be_positive(tiny_model_dir):
-    with pytest.raises(ValueError, match="micro_batch_size"):
-        RLOOModule(tiny_model_dir, reward_funcs=[REWARD], micro_batch_size=0)
+    with pytest.raises(ValueError, match=r"update\.micro_batch_size must be >= 1"):
+        RLOOModule(tiny_model_dir, rewards={"funcs": [REWARD]}, update={"micro_batch_size": 0})
