@@ -1,4 +1,7 @@
-"""Objectives against small hand-computed tensors (expected values are literals worked out by hand)."""
+"""Objectives against small hand-computed tensors (expected values are literals worked out by hand).
+
+The pure functions of the training path: ``advantages``, ``logprobs``, ``kl`` and ``losses``.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +10,10 @@ import math
 import pytest
 import torch
 
-from rloo_lightning.objectives import (
-    completion_mask,
-    leave_one_out_advantages,
-    masked_mean,
-    masked_sum,
-    policy_loss,
-    sequence_kl,
-    token_entropy,
-    token_logprobs,
-)
+from rloo_lightning.advantages import leave_one_out_advantages
+from rloo_lightning.kl import fold_kl
+from rloo_lightning.logprobs import completion_mask, masked_sum, token_entropy, token_logprobs
+from rloo_lightning.losses import PolicyLoss, aggregate_token_loss
 
 nan = float("nan")
 
@@ -270,7 +267,7 @@ def test_completion_mask_pad_equals_eos_keeps_exactly_the_first_eos():
 
 
 # ---------------------------------------------------------------------------------------------
-# masked_sum / masked_mean / sequence_kl / policy_loss
+# masked_sum / the token means of the loss / the sequence KL / the policy loss
 # ---------------------------------------------------------------------------------------------
 def test_masked_sum_and_mean_ignore_nan_and_inf_at_masked_positions():
     inf = float("inf")
@@ -278,13 +275,14 @@ def test_masked_sum_and_mean_ignore_nan_and_inf_at_masked_positions():
     mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
     # row sums: 1+2 = 3, 3, (none) 0
     torch.testing.assert_close(masked_sum(values, mask), torch.tensor([3.0, 3.0, 0.0]))
-    # row means: 3/2, 3/1, 0 (no valid entry -> 0, not NaN)
-    torch.testing.assert_close(masked_mean(values, mask, dim=-1), torch.tensor([1.5, 3.0, 0.0]))
-    # global mean: (1 + 2 + 3) / 3 = 2
-    torch.testing.assert_close(masked_mean(values, mask), torch.tensor(2.0))
+    # the loss's masked means (masked_mean's job): row means 3/2, 3/1, 0 (no valid entry -> 0, not NaN),
+    # averaged over the 3 rows (seq_mean_token_mean): 1.5; global mean (token_mean): (1 + 2 + 3) / 3 = 2
+    assert aggregate_token_loss(values, mask, "seq_mean_token_mean").item() == pytest.approx(4.5 / 3)
+    torch.testing.assert_close(aggregate_token_loss(values, mask, "token_mean"), torch.tensor(2.0))
     # column sums (dim=0): [1, 2+3, 0]
     torch.testing.assert_close(masked_sum(values, mask, dim=0), torch.tensor([1.0, 5.0, 0.0]))
-    assert masked_mean(values, torch.zeros_like(mask)).item() == 0.0
+    assert aggregate_token_loss(values, torch.zeros_like(mask), "token_mean").item() == 0.0
+    assert aggregate_token_loss(values, torch.zeros_like(mask), "seq_mean_token_mean").item() == 0.0
 
 
 def test_masked_sum_gradient_is_finite_with_nan_in_masked_positions():
@@ -300,7 +298,17 @@ def test_sequence_kl_hand_example():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     # row 0: (-1 + 1.5) + (-2 + 1) = 0.5 - 1 = -0.5   (position 2 masked)
     # row 1: 0.3 + 0.0 + (-0.1) = 0.2
-    torch.testing.assert_close(sequence_kl(logp, ref, mask), torch.tensor([-0.5, 0.2]))
+    token_kl, kl, shaped = fold_kl(torch.tensor([1.0, 2.0]), logp, ref, mask, beta=0.1)  # the training path's k1
+    torch.testing.assert_close(kl, torch.tensor([-0.5, 0.2]))
+    torch.testing.assert_close(token_kl, torch.tensor([[0.5, -1.0, 0.0], [0.3, 0.0, -0.1]]))
+    torch.testing.assert_close(shaped, torch.tensor([1.0 + 0.05, 2.0 - 0.02]))  # R = r - beta * KL
+
+
+def policy_loss(advantages, logp, mask, **denominators):
+    """The update's default loss (the paper's sequence-level REINFORCE), as the training step computes it."""
+    loss, stats = PolicyLoss()(logp, mask, advantages, denominators)
+    assert stats == {}  # on-policy: no ratio, no clip statistics
+    return loss
 
 
 def test_policy_loss_hand_example_and_divisor():
@@ -312,6 +320,8 @@ def test_policy_loss_hand_example_and_divisor():
     assert loss.item() == pytest.approx(5.5 / 2)  # -(-5.5)/B, B = 2
     assert policy_loss(adv, logp, mask, num_sequences=1).item() == pytest.approx(5.5)
     assert policy_loss(adv, logp, mask, num_sequences=torch.tensor(4)).item() == pytest.approx(5.5 / 4)
+    # the same as the seq_sum aggregation of -A * logp
+    torch.testing.assert_close(loss, aggregate_token_loss(-adv.detach()[:, None] * logp, mask, "seq_sum"))
     loss.backward()
     # d loss / d logp_it = -A_i m_it / B
     torch.testing.assert_close(logp.grad, torch.tensor([[-1.0, -1.0, 0.0], [0.5, 0.0, 0.0]]))
@@ -330,12 +340,12 @@ def test_policy_loss_ignores_nonfinite_logp_at_masked_positions():
 def test_default_chunks_are_bounded_by_elements_not_rows(monkeypatch):
     """The default chunk holds CHUNK_ELEMENTS fp32 values whatever the vocabulary; results and gradients are
     those of the unchunked computation."""
-    from rloo_lightning import objectives
+    from rloo_lightning import logprobs
 
-    assert objectives._chunk_rows(None, 49152) == (1 << 24) // 49152 == 341
-    assert objectives._chunk_rows(None, 151936) == 110 and objectives._chunk_rows(None, 1 << 30) == 1
-    assert objectives._chunk_rows(7, 49152) == 7
-    monkeypatch.setattr(objectives, "CHUNK_ELEMENTS", 12)  # V = 5: 2 rows a chunk, 8 positions -> 4 chunks
+    assert logprobs._chunk_rows(None, 49152) == (1 << 24) // 49152 == 341
+    assert logprobs._chunk_rows(None, 151936) == 110 and logprobs._chunk_rows(None, 1 << 30) == 1
+    assert logprobs._chunk_rows(7, 49152) == 7
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 12)  # V = 5: 2 rows a chunk, 8 positions -> 4 chunks
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(2, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
     tokens = torch.randint(0, 5, (2, 4), generator=g)
