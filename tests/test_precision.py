@@ -13,8 +13,8 @@ from rloo_lightning.data import PromptDataModule
 
 
 
-def _module(model_dir: str, **kw) -> RLOOModule:
-    return configured_module(model_dir, beta=0.1, **kw)
+def _module(model_dir: str) -> RLOOModule:
+    return configured_module(model_dir, kl={"beta": 0.1})
 
 
 _rollout = scored_rollout
@@ -26,7 +26,7 @@ def _step(module, rollout, precision: str):
         module.policy.to(torch.bfloat16)
     context = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else torch.enable_grad()
     with context:
-        logp, _ = module.sequence_logprobs(module.policy, rollout)
+        logp, _ = module.logprobs(module.policy, rollout)
         loss, _ = module.rollout_loss(rollout)
     loss.backward()
     grad = torch.cat([p.grad.float().reshape(-1) for p in module.policy.parameters()])
@@ -58,8 +58,8 @@ def test_reference_follows_the_policy_dtype_so_kl_starts_at_exactly_zero(tiny_mo
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
 def test_bf16_fit_runs_through_lightning(tiny_model_dir, precision):
-    module = RLOOModule(tiny_model_dir, reward_funcs=[REWARD], k=4, max_new_tokens=6, validate_at_start=False,
-                        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    module = RLOOModule(tiny_model_dir, rewards={"funcs": [REWARD]}, sampling={"k": 4, "max_new_tokens": 6},
+                        validation={"at_start": False}, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
     data = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, task="reverse", batch_size=4,
                             num_train_rows=8, num_val_rows=4, max_new_tokens=6)
     before = {n: p.detach().clone() for n, p in _module(tiny_model_dir).policy.named_parameters()}

@@ -17,30 +17,42 @@ def _rollout(rewards, lengths, truncated, T=6, k=2) -> Rollout:
     return Rollout(k=k, prompt_ids=torch.ones(B, 2, dtype=torch.long), prompt_mask=torch.ones(B, 2, dtype=torch.long),
                    completion_ids=torch.full((B, T), 4), completion_mask=mask,
                    truncated=torch.tensor(truncated), prompts=["a="] * B, completions=["a"] * B,
-                   rewards=torch.tensor(rewards))
+                   rewards=torch.tensor(rewards), columns={"given": list(rewards)})
+
+
+def given(prompts, completions, completion_ids, given):
+    """The reward written in the rollout's ``given`` column, so that ``module.score`` reproduces it."""
+    return given
+
+
+GIVEN = f"{__name__}.given"
 
 
 def test_shaping_order_overlong_then_missing_eos_then_clip(tiny_model_dir):
-    module = RLOOModule(tiny_model_dir, reward_funcs=[REWARD], max_new_tokens=6, missing_eos_penalty=0.5,
-                        overlong_buffer=2, overlong_factor=1.0, reward_clip=(-0.2, 0.8))
+    module = RLOOModule(tiny_model_dir, rewards={"funcs": [GIVEN]}, sampling={"max_new_tokens": 6},
+                        shaping={"missing_eos_penalty": 0.5, "overlong_buffer": 2, "overlong_factor": 1.0,
+                                 "reward_clip": (-0.2, 0.8)})
     rollout = _rollout([1.0, 1.0, 0.0, 0.5], lengths=[3, 5, 6, 4], truncated=[False, False, True, False])
-    module.shape_rewards(rollout)
+    module.score(rollout)  # the training step's scoring: the reward functions, then the shaping
     # lengths 3, 4 <= 6-2: no overlong penalty; 5: (4-5)/2 = -0.5; 6 (truncated): (4-6)/2 = -1.0
     # then missing EOS: row 2 -0.5; then clip to [-0.2, 0.8]
     expected = [min(1.0, 0.8), 1.0 - 0.5, max(0.0 - 1.0 - 0.5, -0.2), 0.5]
     assert rollout.rewards.tolist() == pytest.approx(expected)
+    assert rollout.scores["given"].tolist() == [1.0, 1.0, 0.0, 0.5]  # the per-function scores are unshaped
+    module.score(rollout, shape=False)  # validation's scoring: unshaped
+    assert rollout.rewards.tolist() == [1.0, 1.0, 0.0, 0.5]
 
 
 def test_shaping_off_by_default_leaves_rewards(tiny_model_dir):
-    module = RLOOModule(tiny_model_dir, reward_funcs=[REWARD], max_new_tokens=6)
+    module = RLOOModule(tiny_model_dir, rewards={"funcs": [GIVEN]}, sampling={"max_new_tokens": 6})
     rollout = _rollout([1.0, 3.0, -2.0, 0.5], lengths=[3, 5, 6, 4], truncated=[False, False, True, False])
-    module.shape_rewards(rollout)
+    module.score(rollout)
     assert rollout.rewards.tolist() == [1.0, 3.0, -2.0, 0.5]
 
 
 def test_mask_truncated_completions_leave_loss_and_baseline(tiny_model_dir):
-    module = RLOOModule(tiny_model_dir, reward_funcs=[REWARD], k=3, beta=0.0, max_new_tokens=6,
-                        mask_truncated_completions=True)
+    module = RLOOModule(tiny_model_dir, rewards={"funcs": [REWARD]}, sampling={"k": 3, "max_new_tokens": 6},
+                        kl={"beta": 0.0}, shaping={"mask_truncated_completions": True})
     module.configure_model()
     module.log = lambda *a, **kw: None
     rollout = _rollout([0.0, 1.0, 0.4, 0.2, 0.6, 0.9], lengths=[3, 6, 2, 4, 6, 6],
@@ -52,12 +64,13 @@ def test_mask_truncated_completions_leave_loss_and_baseline(tiny_model_dir):
     assert torch.isfinite(loss)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"overlong_buffer": 6}, "overlong_buffer"),
-    ({"reward_clip": (1.0, 0.0)}, "reward_clip"),
-    ({"on_nonfinite": "ignore"}, "on_nonfinite"),
-    ({"reward_workers": -1}, "num_workers"),
+@pytest.mark.parametrize("groups, match", [
+    ({"shaping": {"overlong_buffer": 6}}, r"shaping\.overlong_buffer must be in \[0, sampling\.max_new_tokens=6\)"),
+    ({"shaping": {"reward_clip": (1.0, 0.0)}}, r"shaping\.reward_clip must be \[low, high\]"),
+    ({"update": {"on_nonfinite": "ignore"}}, r"update\.on_nonfinite must be one of"),
+    ({"rewards": {"workers": -1}}, r"rewards\.workers .*must be >= 0"),
 ])
-def test_bad_shaping_options_raise(kwargs, match):
+def test_bad_shaping_options_raise(groups, match):
+    groups = {**groups, "rewards": {"funcs": [REWARD], **groups.get("rewards", {})}}
     with pytest.raises(ValueError, match=match):
-        RLOOModule("unused", reward_funcs=[REWARD], max_new_tokens=6, **kwargs)
+        RLOOModule("unused", sampling={"max_new_tokens": 6}, **groups)

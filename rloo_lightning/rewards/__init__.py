@@ -322,7 +322,7 @@ def _parse_on_error(on_error: str | float | None) -> tuple[str, float | None]:
     if on_error is None:
         return "value", None
     if isinstance(on_error, bool):
-        raise RewardError(f"reward on_error must be 'raise', 'none' or a float, got {on_error!r}")
+        raise RewardError(f"rewards.on_error must be 'raise', 'none' or a float, got {on_error!r}")
     if isinstance(on_error, (int, float)):
         value = float(on_error)
     elif isinstance(on_error, str) and on_error.strip().lower() == "raise":
@@ -334,10 +334,10 @@ def _parse_on_error(on_error: str | float | None) -> tuple[str, float | None]:
             value = float(on_error)
         except (TypeError, ValueError):
             raise RewardError(
-                f"reward on_error must be 'raise', 'none' (missing reward) or a float, got {on_error!r}"
+                f"rewards.on_error must be 'raise', 'none' (missing reward) or a float, got {on_error!r}"
             ) from None
     if not math.isfinite(value):
-        raise RewardError(f"reward on_error must be finite (use 'none' for a missing reward), got {on_error!r}")
+        raise RewardError(f"rewards.on_error must be finite (use 'none' for a missing reward), got {on_error!r}")
     return "value", value
 
 
@@ -379,11 +379,11 @@ class RewardSet:
 
     def __post_init__(self) -> None:
         if self.timeout is not None and not self.timeout > 0:
-            raise RewardError(f"reward timeout must be > 0 seconds or None, got {self.timeout!r}")
+            raise RewardError(f"rewards.timeout must be > 0 seconds or None, got {self.timeout!r}")
         if self.num_workers < 0:
-            raise RewardError(f"reward num_workers must be >= 0, got {self.num_workers}")
+            raise RewardError(f"rewards.workers (num_workers) must be >= 0, got {self.num_workers}")
         if self.chunk_size is not None and self.chunk_size < 1:
-            raise RewardError(f"reward chunk_size must be >= 1 or None, got {self.chunk_size}")
+            raise RewardError(f"rewards.chunk_size must be >= 1 or None, got {self.chunk_size}")
         if self.start_method not in (None, "spawn", "forkserver"):
             raise RewardError(
                 f"reward start_method must be 'forkserver', 'spawn' or None, got {self.start_method!r} "
