@@ -12,7 +12,8 @@ from transformers import GenerationConfig
 from rloo_lightning.data import collate_prompts
 from rloo_lightning.models import build_char_tokenizer, build_tiny_llama, load_causal_lm, load_tokenizer
 from rloo_lightning.module import RLOOModule
-from rloo_lightning.objectives import completion_mask, pass_at_k
+from rloo_lightning.logprobs import completion_mask
+from rloo_lightning.metrics import pass_at_k
 from rloo_lightning.rollout import default_eos_ids, generate_rollout, sampling_config, stop_string_ends
 
 REWARD = "rloo_lightning.tasks.reverse.reward"
@@ -24,11 +25,11 @@ def _batch(tok, prompts):
     return collate_prompts(rows, tok.pad_token_id)
 
 
-def _module(path, **kwargs):
-    kwargs.setdefault("reward_funcs", [REWARD])
-    kwargs.setdefault("beta", 0.0)
-    kwargs.setdefault("max_new_tokens", 8)
-    module = RLOOModule(model_name_or_path=path, **kwargs)
+def _module(path, **groups):
+    """An RLOOModule with its models loaded: the reverse reward, kl.beta 0 and 8 new tokens unless ``groups`` say."""
+    defaults = {"rewards": {"funcs": [REWARD]}, "kl": {"beta": 0.0}, "sampling": {"max_new_tokens": 8}}
+    groups = {**groups, **{name: {**values, **groups.get(name, {})} for name, values in defaults.items()}}
+    module = RLOOModule(model_name_or_path=path, **groups)
     module.configure_model()
     return module
 
@@ -72,7 +73,7 @@ def two_eos_dir(tmp_path_factory, char_tok):
 
 
 def test_module_ends_completions_at_any_shipped_eos(two_eos_dir):
-    module = _module(two_eos_dir, max_new_tokens=10)
+    module = _module(two_eos_dir, sampling={"max_new_tokens": 10})
     tok = module.tokenizer
     eos, h = tok.eos_token_id, tok.convert_tokens_to_ids("h")
     assert load_causal_lm(two_eos_dir).generation_config.eos_token_id == [eos, h]  # guard: really shipped
@@ -80,7 +81,7 @@ def test_module_ends_completions_at_any_shipped_eos(two_eos_dir):
     assert list(module.generation_config.eos_token_id) == [eos, h]
     assert list(module.greedy_config.eos_token_id) == [eos, h]
 
-    r = module.rollout(_batch(tok, ["abc=", "gfed="]), 32, seed=5)
+    r = module.sample(_batch(tok, ["abc=", "gfed="]), 32, seed=5)
     ends = {"eos": 0, "h": 0}
     for i, row in enumerate(r.completion_ids.tolist()):
         first = next((t for t, x in enumerate(row) if x in (eos, h)), None)
@@ -97,7 +98,7 @@ def test_module_ends_completions_at_any_shipped_eos(two_eos_dir):
 
 
 def test_explicit_eos_token_ids_override_the_default(tiny_model_dir):
-    module = _module(tiny_model_dir, eos_token_ids=[5, 6])
+    module = _module(tiny_model_dir, sampling={"eos_token_ids": [5, 6]})
     assert module.eos_token_ids == [5, 6]
     assert list(module.generation_config.eos_token_id) == [5, 6]
 
@@ -194,10 +195,10 @@ def test_stop_strings_with_pad_equal_to_eos(tiny_model_dir_pad_eos):
 
 
 def test_module_with_stop_strings_uses_them(tiny_model_dir):
-    module = _module(tiny_model_dir, stop_strings=["cd", "g"], max_new_tokens=12)
+    module = _module(tiny_model_dir, sampling={"stop_strings": ["cd", "g"], "max_new_tokens": 12})
     assert list(module.generation_config.stop_strings) == ["cd", "g"]
     assert list(module.greedy_config.stop_strings) == ["cd", "g"]
-    r = module.rollout(_batch(module.tokenizer, ["abc=", "hgfe="]), 16, seed=module.sampling_seed("train", 0))
+    r = module.sample(_batch(module.tokenizer, ["abc=", "hgfe="]), 16, seed=module.sampling_seed("train", 0))
     assert _check_stopped_rollout(module.tokenizer, r, ["cd", "g"]) >= 3
     # a module without stop strings has none in either config
     plain = _module(tiny_model_dir)
@@ -226,8 +227,8 @@ def test_stop_string_straddling_the_prompt_ends_the_completion(tiny_model_dir):
 
 @pytest.mark.parametrize("stops", [[], [""], ["cd", ""]])
 def test_empty_stop_strings_raise(stops):
-    with pytest.raises(ValueError, match="stop_strings"):
-        RLOOModule(model_name_or_path="unused", reward_funcs=[REWARD], stop_strings=stops)
+    with pytest.raises(ValueError, match=r"sampling\.stop_strings must be non-empty strings"):
+        RLOOModule(model_name_or_path="unused", rewards={"funcs": [REWARD]}, sampling={"stop_strings": stops})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,8 +279,8 @@ def letters_reward(prompts, completions, completion_ids, **columns):
 
 
 def test_evaluate_batch_metrics_per_prompt(tiny_model_dir):
-    module = _module(tiny_model_dir, reward_funcs=[letters_reward], val_num_samples=4, val_pass_k=[1, 4],
-                     success_threshold=0.5, max_new_tokens=6)
+    module = _module(tiny_model_dir, rewards={"funcs": [letters_reward]}, sampling={"max_new_tokens": 6},
+                     validation={"num_samples": 4, "pass_k": [1, 4], "success_threshold": 0.5})
     prompts = ["abc=", "hgfe=", "abcdefgh=", "d=", "aceg=", "bdfh="]
     batch = _batch(module.tokenizer, prompts)
     out = module.evaluate_batch(batch, 0)
@@ -288,8 +289,8 @@ def test_evaluate_batch_metrics_per_prompt(tiny_model_dir):
     assert all(v.shape == (len(prompts),) for v in out.values())
 
     # recompute from a second rollout with the same seed
-    again = module.rollout(batch, 4, module.sampling_seed("val", 0))
-    module.score(again)
+    again = module.sample(batch, 4, module.sampling_seed("val", 0))
+    module.score(again, shape=False)
     rewards = again.rewards.view(len(prompts), 4)
     success = (rewards >= 0.5).float()
     torch.testing.assert_close(out["reward"], rewards.mean(1))
@@ -301,8 +302,8 @@ def test_evaluate_batch_metrics_per_prompt(tiny_model_dir):
     # not degenerate: some prompts pass and the samples disagree somewhere
     assert 0 < out["pass@4"].sum() and ((out["pass@1"] > 0) & (out["pass@1"] < 1)).any(), out
 
-    greedy = module.rollout(batch, 1, 0, greedy=True)
-    module.score(greedy)
+    greedy = module.sample(batch, 1, 0, greedy=True)
+    module.score(greedy, shape=False)
     torch.testing.assert_close(out["reward_greedy"], greedy.rewards)
     torch.testing.assert_close(out["accuracy_greedy"], (greedy.rewards >= 0.5).float())
 
@@ -312,15 +313,14 @@ def test_evaluate_batch_metrics_per_prompt(tiny_model_dir):
 
 
 def test_success_threshold_moves_pass_at_k(tiny_model_dir):
-    kwargs = dict(reward_funcs=[letters_reward], val_num_samples=4, val_pass_k=[2], max_new_tokens=6,
-                  val_greedy=False)
     batch = None
     outs = {}
     for threshold in (0.0, 1.01):
-        module = _module(tiny_model_dir, success_threshold=threshold, **kwargs)
+        module = _module(tiny_model_dir, rewards={"funcs": [letters_reward]}, sampling={"max_new_tokens": 6},
+                         validation={"num_samples": 4, "pass_k": [2], "greedy": False, "success_threshold": threshold})
         batch = batch or _batch(module.tokenizer, ["abc=", "hgfe="])
         outs[threshold] = module.evaluate_batch(batch, 0)
-    assert set(outs[0.0]) == {"reward", "pass@2"}  # no greedy keys when val_greedy=False
+    assert set(outs[0.0]) == {"reward", "pass@2"}  # no greedy keys when validation.greedy=False
     assert outs[0.0]["pass@2"].tolist() == [1.0, 1.0]  # every reward >= 0
     assert outs[1.01]["pass@2"].tolist() == [0.0, 0.0]  # no reward reaches 1.01
     torch.testing.assert_close(outs[0.0]["reward"], outs[1.01]["reward"])
@@ -332,8 +332,8 @@ def half_missing_reward(prompts, completions, completion_ids, **columns):
 
 
 def test_evaluate_batch_missing_rewards_are_ignored_in_mean_and_fail(tiny_model_dir):
-    module = _module(tiny_model_dir, reward_funcs=[half_missing_reward], val_num_samples=4, val_pass_k=[1, 4],
-                     success_threshold=0.5, val_greedy=False, max_new_tokens=4)
+    module = _module(tiny_model_dir, rewards={"funcs": [half_missing_reward]}, sampling={"max_new_tokens": 4},
+                     validation={"num_samples": 4, "pass_k": [1, 4], "success_threshold": 0.5, "greedy": False})
     out = module.evaluate_batch(_batch(module.tokenizer, ["abc=", "hg="]), 0)
     assert out["reward"].tolist() == [1.0, 1.0]  # mean over the scored samples only
     assert out["pass@1"].tolist() == [0.5, 0.5]  # a missing reward is not a success
@@ -342,10 +342,11 @@ def test_evaluate_batch_missing_rewards_are_ignored_in_mean_and_fail(tiny_model_
 
 @pytest.mark.parametrize("bad", [[5], [0], [1, 5]])
 def test_invalid_val_pass_k_raises(bad):
-    with pytest.raises(ValueError, match="val_pass_k"):
-        RLOOModule(model_name_or_path="unused", reward_funcs=[REWARD], val_num_samples=4, val_pass_k=bad)
+    with pytest.raises(ValueError, match=r"validation\.pass_k=.*validation\.num_samples=4"):
+        RLOOModule(model_name_or_path="unused", rewards={"funcs": [REWARD]},
+                   validation={"num_samples": 4, "pass_k": bad})
 
 
 def test_val_num_samples_below_1_raises():
-    with pytest.raises(ValueError, match="val_num_samples"):
-        RLOOModule(model_name_or_path="unused", reward_funcs=[REWARD], val_num_samples=0)
+    with pytest.raises(ValueError, match=r"validation\.num_samples must be >= 1"):
+        RLOOModule(model_name_or_path="unused", rewards={"funcs": [REWARD]}, validation={"num_samples": 0})
