@@ -336,6 +336,11 @@ class AdvantageEstimator:
         self.normalize_rewards, self.whiten = normalize_rewards, whiten
         self.moving_average = MovingAverageBaseline(decay) if baseline == "moving_average" else None
 
+    @classmethod
+    def from_args(cls, args, k: int) -> AdvantageEstimator:
+        """From an :class:`~rloo_lightning.config.AdvantageArgs` and the group size."""
+        return cls(k, args.baseline, args.baseline_decay, args.normalize_rewards, args.whiten, args.clip)
+
     def normalize(self, rewards: Tensor, reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor:
         """``[B]`` rewards standardised over every rank's valid rewards (``normalize_rewards``), else as given."""
         return whiten(rewards, reduce=reduce) if self.normalize_rewards else rewards

@@ -25,6 +25,8 @@ __all__ = [
     "ValidationArgs",
     "PolicyArgs",
     "GROUPS",
+    "Options",
+    "check_options",
     "RENAMED",
     "as_group",
     "to_primitives",
@@ -432,6 +434,29 @@ RENAMED: dict[str, str] = {
     "gradient_checkpointing": "policy.gradient_checkpointing", "disable_dropout": "policy.disable_dropout",
     "lora": "policy.lora", "lora_export": "policy.lora_export",
 }
+
+
+class Options:
+    """The module's option groups, read as ``module.cfg.kl.beta``."""
+
+    def __init__(self, **groups: Any) -> None:
+        self.__dict__.update(groups)
+
+    def __repr__(self) -> str:
+        return "Options(" + ", ".join(f"{name}={group!r}" for name, group in self.__dict__.items()) + ")"
+
+
+def check_options(c: Options) -> None:
+    """Checks that involve more than one group, with errors that name each option."""
+    if not 0 <= c.shaping.overlong_buffer < c.sampling.max_new_tokens:
+        raise ValueError(f"shaping.overlong_buffer must be in [0, sampling.max_new_tokens="
+                         f"{c.sampling.max_new_tokens}), got {c.shaping.overlong_buffer}")
+    if c.update.updates_per_rollout > 1 and c.kl.placement == "token_reward" and c.update.clip_mode == "sequence":
+        raise ValueError("kl.placement='token_reward' gives token advantages; with update.updates_per_rollout > 1 "
+                         "use update.clip_mode='token'")
+    if c.kl.ref_sync_steps and (c.kl.beta == 0 or c.policy.lora):
+        raise ValueError("kl.ref_sync_steps needs a reference of its own: kl.beta > 0 and no policy.lora (under "
+                         "LoRA the reference is the frozen base, which cannot move)")
 
 
 def renamed_error(names: list[str], where: str = "model.") -> ValueError:

@@ -230,6 +230,12 @@ class PolicyLoss:
         self.eps_low, self.eps_high, self.dual_clip = eps_low, eps_high, dual_clip
         self.kl_in_loss, self.kl_estimator, self.kl_clamp = kl_in_loss, kl_estimator, kl_clamp
 
+    @classmethod
+    def from_args(cls, update, kl) -> PolicyLoss:
+        """From the :class:`~rloo_lightning.config.UpdateArgs` and :class:`~rloo_lightning.config.KLArgs` groups."""
+        return cls(update.loss_aggregation, update.clip_mode, update.clip_eps_low, update.clip_eps_high,
+                   update.dual_clip, kl_in_loss=kl.placement == "loss", kl_estimator=kl.estimator, kl_clamp=kl.clamp)
+
     def __call__(self, logp: Tensor, mask: Tensor, advantages: Tensor, denominators: dict,
                  old_logp: Tensor | None = None, ref_logp: Tensor | None = None,
                  beta: float | Tensor = 0.0) -> tuple[Tensor, dict[str, tuple[Tensor, Tensor]]]:

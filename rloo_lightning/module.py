@@ -7,7 +7,6 @@ import copy
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 
@@ -16,7 +15,7 @@ from rloo_lightning.advantages import AdvantageEstimator
 from rloo_lightning.callbacks.base import RolloutHook, ValidateAtStart
 from rloo_lightning.config import (
     AdvantageArgs, DynamicSamplingArgs, KLArgs, PolicyArgs, RewardArgs, SamplingArgs, ShapingArgs, UpdateArgs,
-    ValidationArgs, as_group, renamed_error, to_primitives,
+    ValidationArgs, GROUPS, Options, as_group, check_options, renamed_error, to_primitives,
 )
 from rloo_lightning.dynamic_sampling import fill_informative
 from rloo_lightning.kl import fold_kl, mix_into_reference, reward_to_go, token_rewards_after_baseline
@@ -28,9 +27,11 @@ from rloo_lightning.rewards import RewardSet
 from rloo_lightning.rewards.model import RewardModel
 from rloo_lightning.rewards.shaping import shape_rewards
 from rloo_lightning.rollout import GenerationEngine, HFGenerateEngine, Rollout, default_eos_ids, derive_seed
-from rloo_lightning.rollout import generate_rollout, sampling_config
-from rloo_lightning.timing import PhaseTimer
-from rloo_lightning.update import GradientStash, NonFiniteError, RolloutReuse, micro_batches
+from rloo_lightning.rollout import generate_rollout, generation_configs
+from rloo_lightning.timing import PhaseTimer, log_phase_times
+from rloo_lightning.update import (
+    GradientStash, NonFiniteError, NonFiniteGuard, RolloutReuse, loss_denominators, micro_batched_loss, micro_batches,
+)
 
 __all__ = ["RLOOModule", "NonFiniteError", "warmup_constant_schedule"]
 
@@ -89,14 +90,11 @@ class RLOOModule(LightningModule):
         super().__init__()
         if renamed:
             raise renamed_error(sorted(renamed), where="")
-        groups = dict(rewards=rewards, sampling=sampling, shaping=shaping, kl=kl, advantage=advantage, update=update,
-                      dynamic_sampling=dynamic_sampling, validation=validation, policy=policy)
-        classes = dict(rewards=RewardArgs, sampling=SamplingArgs, shaping=ShapingArgs, kl=KLArgs,
-                       advantage=AdvantageArgs, update=UpdateArgs, dynamic_sampling=DynamicSamplingArgs,
-                       validation=ValidationArgs, policy=PolicyArgs)
-        cfg = {name: as_group(classes[name], value) for name, value in groups.items()}
-        self.cfg = _Options(**cfg)
-        self._check_across_groups()
+        given = dict(rewards=rewards, sampling=sampling, shaping=shaping, kl=kl, advantage=advantage, update=update,
+                     dynamic_sampling=dynamic_sampling, validation=validation, policy=policy)
+        cfg = {name: as_group(GROUPS[name], value) for name, value in given.items()}
+        self.cfg = Options(**cfg)
+        check_options(self.cfg)
         if self.cfg.policy.lora is not None:
             lora_config(self.cfg.policy.lora)  # peft missing or a wrong key fails now, before any model is loaded
         if checkpoint_every_n_steps < 0:
@@ -111,37 +109,22 @@ class RLOOModule(LightningModule):
         self.rewards = RewardSet.from_specs(c.rewards.funcs, c.rewards.weights, timeout=c.rewards.timeout,
                                             num_workers=c.rewards.workers, on_error=c.rewards.on_error,
                                             chunk_size=c.rewards.chunk_size)
-        self.advantage_estimator = AdvantageEstimator(c.sampling.k, c.advantage.baseline, c.advantage.baseline_decay,
-                                                      c.advantage.normalize_rewards, c.advantage.whiten,
-                                                      c.advantage.clip)
-        self.policy_loss = PolicyLoss(c.update.loss_aggregation, c.update.clip_mode, c.update.clip_eps_low,
-                                      c.update.clip_eps_high, c.update.dual_clip, kl_in_loss=c.kl.placement == "loss",
-                                      kl_estimator=c.kl.estimator, kl_clamp=c.kl.clamp)
+        # The options plug in as small objects at their point of the step (5: advantages, 6: the loss).
+        self.advantage_estimator = AdvantageEstimator.from_args(c.advantage, c.sampling.k)
+        self.policy_loss = PolicyLoss.from_args(c.update, c.kl)
         self.reuse = RolloutReuse(c.update.updates_per_rollout)
         self.grad_stash = GradientStash()
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
         self.policy: torch.nn.Module | None = None
         self.tokenizer = None
         self._ref: Frozen | None = None
-        self.skipped_steps = 0
+        self.guard = NonFiniteGuard(c.update.on_nonfinite)
         self._last_stats: dict[str, float] = {}
         # The KL coefficient in use; a buffer so that an adaptive controller's value is checkpointed.
         self.register_buffer("beta", torch.tensor(float(c.kl.beta)))
         names = ["reward"] + (["reward_greedy", "accuracy_greedy"] if c.validation.greedy else [])
         names += [f"pass@{pk}" for pk in c.validation.pass_k or []]
         self.val_metrics = torch.nn.ModuleDict({n: MeanMetric(nan_strategy="ignore") for n in names})  # val/<name>
-
-    def _check_across_groups(self) -> None:
-        c = self.cfg
-        if not 0 <= c.shaping.overlong_buffer < c.sampling.max_new_tokens:
-            raise ValueError(f"shaping.overlong_buffer must be in [0, sampling.max_new_tokens="
-                             f"{c.sampling.max_new_tokens}), got {c.shaping.overlong_buffer}")
-        if c.update.updates_per_rollout > 1 and c.kl.placement == "token_reward" and c.update.clip_mode == "sequence":
-            raise ValueError("kl.placement='token_reward' gives token advantages; with update.updates_per_rollout > 1 "
-                             "use update.clip_mode='token'")
-        if c.kl.ref_sync_steps and (c.kl.beta == 0 or c.policy.lora):
-            raise ValueError("kl.ref_sync_steps needs a reference of its own: kl.beta > 0 and no policy.lora (under "
-                             "LoRA the reference is the frozen base, which cannot move)")
 
     # -- models --------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -186,12 +169,8 @@ class RLOOModule(LightningModule):
             # data-parallel mesh; the reference above was copied before this and stays whole.
             sharding.shard_policy(self.policy, self.device_mesh)
         self.eos_token_ids = c.sampling.eos_token_ids or default_eos_ids(tokenizer, self.policy.generation_config)
-        common = dict(max_new_tokens=c.sampling.max_new_tokens, eos_token_ids=self.eos_token_ids,
-                      pad_token_id=tokenizer.pad_token_id, stop_strings=c.sampling.stop_strings)
-        self.generation_config = sampling_config(**common, temperature=c.sampling.temperature, top_k=c.sampling.top_k,
-                                                 top_p=c.sampling.top_p,
-                                                 repetition_penalty=c.sampling.repetition_penalty)
-        self.greedy_config = sampling_config(**common, do_sample=False)
+        self.generation_config, self.greedy_config = generation_configs(c.sampling, self.eos_token_ids,
+                                                                        tokenizer.pad_token_id)
 
     @property
     def reference(self) -> torch.nn.Module | None:
@@ -251,7 +230,7 @@ class RLOOModule(LightningModule):
         loss, entropy = self.rollout_loss(rollout)
         self.reuse.record(rollout)
         self._last_stats = self.log_train_metrics(rollout, entropy, loss)
-        if not self._finite_everywhere(loss):
+        if not self.guard.finite(self.reduce_across_ranks, loss):
             self._on_nonfinite("loss")
             return None  # every rank skips together: no backward, no optimizer step
         return loss
@@ -358,43 +337,33 @@ class RLOOModule(LightningModule):
 
     def update_loss(self, rollout: Rollout, rows: list[slice], logp: Tensor | None,
                     entropy: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Step 6 over the micro-batches: the same loss and gradient as the whole rollout at once.
+        """Step 6 for Lightning's backward: the loss of every micro-batch (``rows``), clip statistics in the rollout.
 
-        The loss is a sum over sequences divided by counts fixed beforehand (global over ranks), so it
-        splits into a sum of micro-batch losses. Every micro-batch but the last is differentiated here
-        and its gradient held back (:class:`~rloo_lightning.update.GradientStash`); the last one's loss
-        is returned for Lightning's backward, plus the others' values (detached) so that the logged
-        loss is the total. ``logp``: the whole rollout's log-probs with grad when it is one micro-batch.
+        ``logp``: the whole rollout's log-probs with grad when it is one micro-batch; otherwise each
+        micro-batch runs its forward here (see :func:`~rloo_lightning.update.micro_batched_loss`).
         """
-        kept = torch.stack([rollout.keep.sum().float(), (rollout.completion_mask * rollout.keep[:, None]).sum()])
-        sequences, tokens = self.reduce_across_ranks(kept, "sum") / self.world_size
-        # DDP averages gradients over ranks: each rank divides by (global count / world size). If nothing is
-        # kept the loss is an exact zero that still touches the graph (no DDP hang).
-        denominators = {"num_sequences": torch.where(sequences > 0, sequences, torch.ones_like(sequences)),
-                        "num_tokens": tokens.clamp(min=1e-8),
-                        "norm_constant": self.cfg.update.loss_norm_constant or self.cfg.sampling.max_new_tokens}
-        rollout.clip_stats, entropies, earlier = {}, [], torch.zeros((), device=self.device)
+        c = self.cfg
+        denominators = loss_denominators(rollout, self.reduce_across_ranks, self.world_size,
+                                         c.update.loss_norm_constant or c.sampling.max_new_tokens)
+        advantages = rollout.token_advantages if rollout.token_advantages is not None else rollout.advantages
+        rollout.clip_stats = {}
+
+        def loss_of_rows(r: slice) -> tuple[Tensor, Tensor | None]:
+            micro_logp, micro_entropy = (logp, entropy) if logp is not None else self.logprobs(
+                self.policy, rollout, r, with_entropy=True)
+            loss, stats = self.policy_loss(
+                micro_logp, rollout.completion_mask[r] * rollout.keep[r, None], advantages[r], denominators,
+                None if rollout.old_logp is None else rollout.old_logp[r],
+                None if rollout.ref_logp is None else rollout.ref_logp[r], self.beta)
+            for name, (total, count) in stats.items():
+                s, n = rollout.clip_stats.get(name, (0.0, 0.0))
+                rollout.clip_stats[name] = (s + total, n + count)
+            return loss, micro_entropy
+
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer is not None else None
         self.grad_stash.grads = None
         with self.timer("policy_forward"):
-            for i, r in enumerate(rows):
-                if logp is None:
-                    micro_logp, micro_entropy = self.logprobs(self.policy, rollout, r, with_entropy=True)
-                    entropies.append(micro_entropy)
-                else:
-                    micro_logp = logp
-                advantages = rollout.token_advantages if rollout.token_advantages is not None else rollout.advantages
-                loss, stats = self.policy_loss(
-                    micro_logp, rollout.completion_mask[r] * rollout.keep[r, None], advantages[r], denominators,
-                    None if rollout.old_logp is None else rollout.old_logp[r],
-                    None if rollout.ref_logp is None else rollout.ref_logp[r], self.beta)
-                for name, (total, count) in stats.items():
-                    s, n = rollout.clip_stats.get(name, (0.0, 0.0))
-                    rollout.clip_stats[name] = (s + total, n + count)
-                if i < len(rows) - 1:
-                    scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer else None
-                    self.grad_stash.backward_early(loss, self.policy, scaler)
-                    earlier = earlier + loss.detach()
-        return (loss if len(rows) == 1 else loss + earlier), (entropy if logp is not None else torch.cat(entropies))
+            return micro_batched_loss(rollout, rows, loss_of_rows, self.grad_stash, self.policy, scaler)
 
     def informative_rollout(self, rollout: Rollout, num_groups: int) -> Rollout:
         """Dynamic sampling: extra rounds of prompts from the data module's ``sample_batch`` (``fill_informative``)."""
@@ -447,10 +416,14 @@ class RLOOModule(LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
-        if grads and not self._finite_everywhere(*grads):
+        if grads and not self.guard.finite(self.reduce_across_ranks, *grads):
             self._on_nonfinite("gradient")
             for p in self.policy.parameters():  # torch optimizers leave a parameter without .grad alone
                 p.grad = None
+
+    def _on_nonfinite(self, what: str) -> None:
+        self.guard.handle(what, self.global_step, self._last_stats)  # raises under update.on_nonfinite=stop
+        self.log("train/skipped_steps", float(self.guard.skipped_steps))
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         kl, step = self.cfg.kl, self.global_step
@@ -466,21 +439,6 @@ class RLOOModule(LightningModule):
         if (batch_idx + 1) % accumulate == 0:  # an optimizer step happened: an engine with its own copy resyncs
             self.engine.on_weights_updated(self.policy)
 
-    def _finite_everywhere(self, *tensors: Tensor) -> bool:
-        """True if every tensor is finite on every rank (one all-reduce, so all ranks agree)."""
-        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP2: this rank's shard
-        ok = torch.stack([torch.isfinite(t.detach()).all() for t in local]).all().float()
-        return bool(self.reduce_across_ranks(ok, "min") > 0)
-
-    def _on_nonfinite(self, what: str) -> None:
-        stats = ", ".join(f"{k}={v:.4g}" for k, v in self._last_stats.items())
-        message = f"non-finite {what} at step {self.global_step}; rollout statistics: {stats}"
-        if self.cfg.update.on_nonfinite == "stop":
-            raise NonFiniteError(message + " (update.on_nonfinite=stop: no update applied, no checkpoint written)")
-        self.skipped_steps += 1
-        rank_zero_warn(message + " (update.on_nonfinite=skip: update dropped)")
-        self.log("train/skipped_steps", float(self.skipped_steps))
-
     # -- checkpoints ---------------------------------------------------------------------------
     def _frozen_base_keys(self) -> set[str]:
         """State-dict keys of the frozen base weights under LoRA (none otherwise)."""
@@ -490,7 +448,7 @@ class RLOOModule(LightningModule):
         return {f"policy.{n}" for n, t in self.policy.state_dict(keep_vars=True).items() if not t.requires_grad}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["rloo_skipped_steps"] = self.skipped_steps
+        checkpoint["rloo_skipped_steps"] = self.guard.skipped_steps
         if self.advantage_estimator.moving_average is not None:
             checkpoint["rloo_moving_average"] = self.advantage_estimator.state_dict()
         if (stored := self.reuse.state_dict()) is not None:
@@ -501,7 +459,7 @@ class RLOOModule(LightningModule):
             checkpoint["state_dict"].pop(key, None)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.skipped_steps = checkpoint.get("rloo_skipped_steps", 0)
+        self.guard.skipped_steps = checkpoint.get("rloo_skipped_steps", 0)
         self.advantage_estimator.load_state_dict(checkpoint.get("rloo_moving_average", {}))
         if "rloo_rollout" in checkpoint:
             self.reuse.load_state_dict(checkpoint["rloo_rollout"])
@@ -524,17 +482,8 @@ class RLOOModule(LightningModule):
         for name, value in metrics.items():
             self.log(name, value, prog_bar=name in ("train/reward", "train/kl"), batch_size=len(rollout.prompts))
         if self.timer.enabled:
-            self._log_phase_times(self.timer.totals)
+            log_phase_times(self._trainer, self.timer.totals, self.global_step)
         return metrics
-
-    def _log_phase_times(self, totals: dict[str, float]) -> None:
-        """``time/<phase>`` seconds straight to the loggers every ``log_every_n_steps`` (not ``self.log``, whose
-        per-key bookkeeping would make the timers the largest cost they measure)."""
-        trainer = self._trainer
-        if trainer is None or not trainer.loggers or self.global_step % max(trainer.log_every_n_steps, 1):
-            return
-        for logger in trainer.loggers:
-            logger.log_metrics({f"time/{phase}": s for phase, s in totals.items()}, step=self.global_step)
 
     def evaluate_batch(self, batch: dict, batch_idx: int) -> dict[str, Tensor]:
         """Per-prompt validation values: mean reward of ``validation.num_samples`` sampled completions, pass@k,
@@ -562,26 +511,8 @@ class RLOOModule(LightningModule):
             self.log(f"val/{name}", metric, prog_bar=name == "reward", batch_size=len(batch["prompt"]))
 
     def save_pretrained(self, directory: str) -> None:
-        """Write the policy and tokenizer in Hugging Face format (``from_pretrained`` loads it).
+        """Write the policy and tokenizer in Hugging Face format (``policy.lora_export`` for a LoRA policy).
 
-        Under FSDP2 every rank must call this (the full weights are gathered, a collective); rank 0 writes.
-        """
-        full_state = None
-        if any(hasattr(p, "full_tensor") for p in self.policy.parameters()):
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            full_state = get_model_state_dict(self.policy, options=options)
-        if self._trainer is not None and not self.trainer.is_global_zero:
-            return
-        export_pretrained(self.policy, self.tokenizer, directory, self.cfg.policy, full_state)
-
-
-class _Options:
-    """The module's option groups, read as ``module.cfg.kl.beta``."""
-
-    def __init__(self, **groups) -> None:
-        self.__dict__.update(groups)
-
-    def __repr__(self) -> str:
-        return f"_Options({', '.join(self.__dict__)})"
+        Under FSDP2 every rank must call this (the weights are gathered, a collective); rank 0 writes."""
+        is_global_zero = self._trainer is None or self.trainer.is_global_zero
+        export_pretrained(self.policy, self.tokenizer, directory, self.cfg.policy, is_global_zero)

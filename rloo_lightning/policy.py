@@ -56,12 +56,20 @@ def disable_dropout(*models: torch.nn.Module | None) -> None:
 
 
 def export_pretrained(policy: torch.nn.Module, tokenizer, directory: str, args: PolicyArgs,
-                      full_state: dict | None = None) -> None:
+                      is_global_zero: bool = True) -> None:
     """Write the policy and tokenizer in Hugging Face format (``from_pretrained`` loads it).
 
     A LoRA policy is written merged into its base or as the adapter alone (``policy.lora_export``).
-    ``full_state``: the gathered weights of a sharded (FSDP2) policy, whose own parameters are shards.
+    A sharded (FSDP2) policy's full weights are gathered first, on every rank (a collective); only
+    the rank with ``is_global_zero`` writes.
     """
+    full_state = None
+    if any(hasattr(p, "full_tensor") for p in policy.parameters()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full_state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_global_zero:
+        return
     model = policy
     if args.lora and args.lora_export == "adapter":
         model.save_pretrained(directory)  # adapter_config.json + adapter weights

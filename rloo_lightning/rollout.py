@@ -14,7 +14,7 @@ from transformers import GenerationConfig
 from rloo_lightning.logprobs import completion_mask
 
 __all__ = ["Rollout", "GenerationEngine", "HFGenerateEngine", "concat_groups", "sampling_config", "default_eos_ids",
-           "derive_seed", "generate_rollout", "stop_string_ends"]
+           "derive_seed", "generate_rollout", "stop_string_ends", "generation_configs"]
 
 
 @dataclass
@@ -162,6 +162,15 @@ def sampling_config(
         use_cache=True,
         renormalize_logits=False,
     )
+
+
+def generation_configs(args, eos_token_ids: list[int], pad_token_id: int) -> tuple[GenerationConfig, GenerationConfig]:
+    """The training sampler's config and the greedy one, from a :class:`~rloo_lightning.config.SamplingArgs`."""
+    common = dict(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                  stop_strings=args.stop_strings)
+    sampled = sampling_config(**common, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              repetition_penalty=args.repetition_penalty)
+    return sampled, sampling_config(**common, do_sample=False)
 
 
 def default_eos_ids(tokenizer, shipped: GenerationConfig | None) -> list[int]:

@@ -14,7 +14,8 @@ from torch import Tensor
 
 from rloo_lightning.rollout import Rollout
 
-__all__ = ["NonFiniteError", "GradientStash", "RolloutReuse", "micro_batches"]
+__all__ = ["NonFiniteError", "NonFiniteGuard", "GradientStash", "RolloutReuse", "micro_batches", "micro_batched_loss",
+           "loss_denominators"]
 
 
 class NonFiniteError(FloatingPointError):
@@ -105,3 +106,60 @@ class RolloutReuse:
 
     def load_state_dict(self, state: dict) -> None:
         self.stored, self.updates = Rollout(**state["fields"]), state["updates"]
+
+
+def loss_denominators(rollout: Rollout, reduce, world_size: int, norm_constant: float) -> dict:
+    """The divisors of :func:`~rloo_lightning.losses.aggregate_token_loss`, global over ranks, fixed before
+    any micro-batch so that the micro-batch losses add up to the whole rollout's.
+
+    DDP averages gradients over ranks, so each rank divides its sum by (global count / world size). If
+    nothing is kept the loss is an exact zero that still touches the graph (no DDP hang). One all-reduce.
+    """
+    kept = torch.stack([rollout.keep.sum().float(), (rollout.completion_mask * rollout.keep[:, None]).sum()])
+    sequences, tokens = reduce(kept, "sum") / world_size
+    return {"num_sequences": torch.where(sequences > 0, sequences, torch.ones_like(sequences)),
+            "num_tokens": tokens.clamp(min=1e-8), "norm_constant": norm_constant}
+
+
+def micro_batched_loss(rollout: Rollout, rows: list[slice], loss_of_rows, stash: GradientStash, model, scaler=None
+                       ) -> tuple[Tensor, Tensor | None]:
+    """Step 6 one micro-batch at a time: the same loss and gradient as the whole rollout at once.
+
+    ``loss_of_rows(rows) -> (loss, entropy)`` is one micro-batch's loss (with grad) and entropies.
+    Every micro-batch but the last is differentiated here and its gradient held in ``stash``; the last
+    one's loss is returned for Lightning's backward, plus the others' values (detached) so that the
+    logged loss is the total.
+    """
+    entropies, earlier = [], None
+    for i, r in enumerate(rows):
+        loss, entropy = loss_of_rows(r)
+        entropies.append(entropy)
+        if i < len(rows) - 1:
+            stash.backward_early(loss, model, scaler)
+            earlier = loss.detach() if earlier is None else earlier + loss.detach()
+    return (loss if earlier is None else loss + earlier), (torch.cat(entropies) if entropies[0] is not None else None)
+
+
+class NonFiniteGuard:
+    """``update.on_nonfinite``: a NaN/inf loss or gradient stops the run (``stop``) or drops the update (``skip``).
+
+    ``finite`` is decided on every rank together (one all-reduce), so that all ranks skip alike.
+    """
+
+    def __init__(self, mode: str) -> None:
+        self.mode, self.skipped_steps = mode, 0
+
+    @staticmethod
+    def finite(reduce, *tensors: Tensor) -> bool:
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP2: this rank's shard
+        ok = torch.stack([torch.isfinite(t.detach()).all() for t in local]).all().float()
+        return bool(reduce(ok, "min") > 0)
+
+    def handle(self, what: str, step: int, stats: dict[str, float]) -> None:
+        """Raise (``stop``) or count and warn (``skip``)."""
+        message = f"non-finite {what} at step {step}; rollout statistics: " + ", ".join(
+            f"{k}={v:.4g}" for k, v in stats.items())
+        if self.mode == "stop":
+            raise NonFiniteError(message + " (update.on_nonfinite=stop: no update applied, no checkpoint written)")
+        self.skipped_steps += 1
+        rank_zero_warn(message + " (update.on_nonfinite=skip: update dropped)")
