@@ -458,8 +458,9 @@ def test_reward_model_in_a_reward_set_is_never_a_submodule(rm_dirs):
 
     spec = {"class_path": "rloo_lightning.rewards.model.RewardModel",
             "init_args": {"model_name_or_path": rm_dirs["chat_pad_eos"], "device": "cpu"}}
-    module = RLOOModule(model_name_or_path="unused", reward_funcs=[spec, "reward_helpers.length_reward"],
-                        reward_weights=[1.0, 0.0], beta=0.0)
+    module = RLOOModule(model_name_or_path="unused",
+                        rewards={"funcs": [spec, "reward_helpers.length_reward"], "weights": [1.0, 0.0]},
+                        kl={"beta": 0.0})
     total, per = module.rewards.score(PROMPTS, COMPLETIONS, _policy_ids(), {})
     rm = module.rewards.funcs[0]
     assert rm.model is not None and module.rewards.names == ["RewardModel", "length_reward"]

@@ -69,8 +69,8 @@ class _TimedModule(RLOOModule):
 
 
 def _fit(model_dir: str, module_cls, callback: StepTimer, steps: int = 2) -> None:
-    module = module_cls(model_dir, reward_funcs=["rloo_lightning.tasks.reverse.reward"], k=2, beta=0.05,
-                        max_new_tokens=4, validate_at_start=False,
+    module = module_cls(model_dir, rewards={"funcs": ["rloo_lightning.tasks.reverse.reward"]},
+                        sampling={"k": 2, "max_new_tokens": 4}, kl={"beta": 0.05}, validation={"at_start": False},
                         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
     data = PromptDataModule(tokenizer_name_or_path=model_dir, task="reverse", batch_size=4, num_train_rows=32,
                             num_val_rows=4, max_new_tokens=4)
