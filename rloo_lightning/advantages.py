@@ -229,7 +229,7 @@ def baseline_advantages(
         ``[N*k]``.
     """
     if baseline not in BASELINES:
-        raise ValueError(f"baseline must be one of {BASELINES}, got {baseline!r}")
+        raise ValueError(f"baseline must be one of {', '.join(map(repr, BASELINES))}; got {baseline!r}")
     if baseline == "leave_one_out":
         return leave_one_out_advantages(rewards, k)
     if baseline == "group_mean_std":

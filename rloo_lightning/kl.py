@@ -55,7 +55,7 @@ def kl_per_token(
         ``[B, T]``, in the dtype of ``logp - ref_logp``.
     """
     if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+        raise ValueError(f"estimator must be one of {', '.join(map(repr, KL_ESTIMATORS))}; got {estimator!r}")
     x = logp - ref_logp
     if estimator == "k1":
         kl = x

@@ -66,7 +66,7 @@ def aggregate_token_loss(
         scalar.
     """
     if mode not in AGGREGATION_MODES:
-        raise ValueError(f"mode must be one of {AGGREGATION_MODES}, got {mode!r}")
+        raise ValueError(f"mode must be one of {', '.join(map(repr, AGGREGATION_MODES))}; got {mode!r}")
     if per_token_loss.shape != mask.shape or per_token_loss.dim() != 2:
         raise ValueError(f"per_token_loss and mask must both be [B, T], got {tuple(per_token_loss.shape)} "
                          f"and {tuple(mask.shape)}")

@@ -1,6 +1,7 @@
 """Parity variants (issue 10) and baselines (issue 11) against small hand-computed tensors.
 
-Every expected value is a literal worked out by hand in the comments next to it.
+Every expected value is a literal worked out by hand in the comments next to it. The functions are
+those of the training path: ``rloo_lightning.kl``, ``losses``, ``advantages`` and ``rewards.shaping``.
 """
 
 from __future__ import annotations
@@ -10,24 +11,24 @@ import math
 import pytest
 import torch
 
-from rloo_lightning.objectives import leave_one_out_advantages, policy_loss
-from rloo_lightning.variants import (
+from rloo_lightning.advantages import (
+    AdvantageEstimator,
     MovingAverageBaseline,
-    aggregate_token_loss,
     baseline_advantages,
-    clip_rewards,
     group_mean_advantages,
     group_mean_std_advantages,
     informative_groups,
-    kl_per_token,
-    mix_into_reference,
-    normalize_rewards,
-    reward_to_go,
-    sequence_clipped_surrogate,
-    token_clipped_surrogate,
-    token_rewards_after_baseline,
+    leave_one_out_advantages,
     whiten,
 )
+from rloo_lightning.kl import kl_per_token, mix_into_reference, reward_to_go, token_rewards_after_baseline
+from rloo_lightning.losses import (
+    PolicyLoss,
+    aggregate_token_loss,
+    sequence_clipped_surrogate,
+    token_clipped_surrogate,
+)
+from rloo_lightning.rewards.shaping import clip_rewards
 
 nan = float("nan")
 f64 = torch.float64
@@ -106,13 +107,14 @@ def test_reward_to_go_is_advantage_minus_future_kl():
 
 
 def test_clip_rewards_keeps_nan_and_checks_range():
-    # symmetric 10: -15 -> -10, 12 -> 10; (low, high) = (-1, 2): -15 -> -1, 3 -> 2, 12 -> 2
-    torch.testing.assert_close(clip_rewards(t([-15.0, 3.0, nan, 12.0]), 10.0), t([-10.0, 3.0, nan, 10.0]),
+    # shaping.reward_clip's clip (the one reward clip of the training path): (-10, 10): -15 -> -10, 12 -> 10;
+    # (low, high) = (-1, 2): -15 -> -1, 3 -> 2, 12 -> 2
+    torch.testing.assert_close(clip_rewards(t([-15.0, 3.0, nan, 12.0]), -10.0, 10.0), t([-10.0, 3.0, nan, 10.0]),
                                equal_nan=True)
-    torch.testing.assert_close(clip_rewards(t([-15.0, 3.0, nan, 12.0]), (-1.0, 2.0)), t([-1.0, 2.0, nan, 2.0]),
+    torch.testing.assert_close(clip_rewards(t([-15.0, 3.0, nan, 12.0]), -1.0, 2.0), t([-1.0, 2.0, nan, 2.0]),
                                equal_nan=True)
-    with pytest.raises(ValueError, match="clip_range"):
-        clip_rewards(t([1.0]), (2.0, 1.0))
+    with pytest.raises(ValueError, match="low <= high"):
+        clip_rewards(t([1.0]), 2.0, 1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,6 +161,11 @@ def test_aggregation_empty_row_and_empty_batch():
     torch.testing.assert_close(aggregate_token_loss(LOSS, torch.zeros_like(mask), "token_mean"), t(0.0))
 
 
+def policy_loss(adv, logp, mask):
+    """The paper's loss written out: ``-1/B sum_i A_i sum_t m_t logp_t``."""
+    return -(adv[:, None] * torch.where(mask.bool(), logp, torch.zeros_like(logp))).sum() / adv.shape[0]
+
+
 def test_seq_sum_aggregation_is_the_papers_policy_loss():
     g = torch.Generator().manual_seed(1)
     logp = torch.randn(4, 5, generator=g, dtype=f64)
@@ -166,6 +173,8 @@ def test_seq_sum_aggregation_is_the_papers_policy_loss():
     adv = torch.randn(4, generator=g, dtype=f64)
     per_token = -adv[:, None] * logp
     torch.testing.assert_close(aggregate_token_loss(per_token, mask, "seq_sum"), policy_loss(adv, logp, mask))
+    # and the update's default PolicyLoss is that aggregation
+    torch.testing.assert_close(PolicyLoss()(logp, mask, adv, {})[0], policy_loss(adv, logp, mask))
 
 
 def test_aggregation_bad_mode_and_constant():
@@ -327,9 +336,13 @@ def test_whiten_token_level_values():
 
 
 def test_normalize_rewards_keeps_missing_missing():
-    # valid {0, 2, 4}: mean 2; var = (4 + 0 + 4)/2 = 4; std 2 -> [-1, 0, ., 1]
-    torch.testing.assert_close(normalize_rewards(t([0.0, 2.0, nan, 4.0]), eps=0.0), t([-1.0, 0.0, nan, 1.0]),
-                               equal_nan=True)
+    # advantage.normalize_rewards: valid {0, 2, 4}: mean 2; var = (4 + 0 + 4)/2 = 4; std 2 -> [-1, 0, ., 1]
+    # (with the eps 1e-4 of the training path: +-2 / (2 + 1e-4) = +-0.99995)
+    rewards = t([0.0, 2.0, nan, 4.0])
+    normalized = AdvantageEstimator(2, normalize_rewards=True).normalize(rewards)
+    torch.testing.assert_close(normalized, t([-2 / 2.0001, 0.0, nan, 2 / 2.0001]), equal_nan=True)
+    torch.testing.assert_close(whiten(rewards, eps=0.0), t([-1.0, 0.0, nan, 1.0]), equal_nan=True)
+    assert AdvantageEstimator(2).normalize(rewards) is rewards  # off by default
 
 
 # ---------------------------------------------------------------------------------------------
