@@ -52,10 +52,10 @@ def cli(tmp_path_factory, tiny_model_dir, _cache_dir):
     k1_root = tmp_path_factory.mktemp("cli_k1")
     specs = {
         "fit": (_fit_args(fit_root, tiny_model_dir), fit_root),
-        "print_config": (["fit", "--config", CONFIG, "--model.k", "6", "--print_config"],
+        "print_config": (["fit", "--config", CONFIG, "--model.sampling.k", "6", "--print_config"],
                          tmp_path_factory.mktemp("cli_print")),
         "help": (["--help"], tmp_path_factory.mktemp("cli_help")),
-        "k1": (_fit_args(k1_root, tiny_model_dir) + ["--model.k", "1"], k1_root),
+        "k1": (_fit_args(k1_root, tiny_model_dir) + ["--model.sampling.k", "1"], k1_root),
     }
     procs = {}
     for name, (args, cwd) in specs.items():
@@ -125,7 +125,8 @@ def test_fit_checkpoint_loads_with_policy_weights_and_no_reference(cli, tiny_mod
     assert all(v.numel() <= 1 for v in others.values()), list(others)  # scalars (e.g. beta), no model copy
 
     loaded = RLOOModule.load_from_checkpoint(path)
-    assert loaded.hparams.k == 4 and loaded.hparams.beta == 0.05
+    assert loaded.hparams["sampling"]["k"] == 4 and loaded.hparams["kl"]["beta"] == 0.05
+    assert loaded.cfg.sampling.k == 4 and loaded.cfg.kl.beta == 0.05
     policy_state = loaded.policy.state_dict()
     assert {f"policy.{k}" for k in policy_state} == {k for k in state if k.startswith("policy.")}
     for key, value in policy_state.items():
@@ -135,17 +136,17 @@ def test_fit_checkpoint_loads_with_policy_weights_and_no_reference(cli, tiny_mod
     assert any(not torch.equal(initial[k], v) for k, v in policy_state.items() if k in initial)
 
 
-def test_print_config_shows_model_k(cli):
+def test_print_config_shows_model_sampling_k(cli):
     run = cli["print_config"]
     assert run["rc"] == 0, _explain(run)
     config = yaml.safe_load(run["stdout"])
-    assert config["model"]["k"] == 6
+    assert config["model"]["sampling"]["k"] == 6
     assert config["model"]["model_name_or_path"] == "tiny:reverse"
     assert config["data"]["task"] == "reverse"
     with open(CONFIG) as f:
         shipped = yaml.safe_load(f)
     assert config["trainer"]["max_steps"] == shipped["trainer"]["max_steps"]
-    assert config["model"]["beta"] == shipped["model"]["beta"]
+    assert config["model"]["kl"]["beta"] == shipped["model"]["kl"]["beta"]
 
 
 def test_help_exits_zero(cli):
@@ -158,7 +159,7 @@ def test_k1_fails_before_training(cli):
     run = cli["k1"]
     assert run["rc"] != 0, _explain(run)
     text = run["stdout"] + run["stderr"]
-    assert "k must be >= 2" in text or "k=1" in text, _explain(run)
+    assert "sampling.k must be >= 2" in text, _explain(run)
     assert "validation before training" not in text
     version = run["root"] / "lightning_logs" / "version_0"
     assert not list(version.rglob("*.ckpt")) and not list(version.glob("events.out.tfevents.*"))

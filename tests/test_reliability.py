@@ -439,7 +439,7 @@ def test_ddp_ranks_get_the_distributed_sampler_shards(ddp_fixed):
 
 def test_ddp_ranks_keep_unequal_numbers_of_rows_at_step_1(ddp_fixed):
     """Step 1 drops rows by a hash of (prompt, sample): the ranks keep different counts, so the
-    gradient check below also covers the kept-rows normalisation (``_loss_denominators``)."""
+    gradient check below also covers the kept-rows normalisation (``update.loss_denominators``)."""
     kept = {r: {e["step"]: e["kept"] for e in _jsonl(ddp_fixed["ddp"] / f"kept_rank{r}.jsonl")} for r in (0, 1)}
     single = {e["step"]: e["kept"] for e in _jsonl(ddp_fixed["single"] / "kept_rank0.jsonl")}
     assert kept[0][0] == kept[1][0] == 4 * DDP_B and single[0] == 8 * DDP_B
@@ -650,15 +650,15 @@ def _poison_grad(step: int) -> list[str]:
 def nan_runs(tmp_path_factory, tiny_model_dir, _cache_dir):
     env = _env(_cache_dir)
     specs = {
-        "stop_loss": (6, ["--model.on_nonfinite", "stop", *_poison_reward(POISON, "inf")]),
-        "stop_grad": (6, ["--model.on_nonfinite", "stop", *_poison_grad(POISON)]),
-        "skip": (SKIP_TOTAL, ["--model.on_nonfinite", "skip", *_poison_reward(SKIP_LOSS, "-inf"),
+        "stop_loss": (6, ["--model.update.on_nonfinite", "stop", *_poison_reward(POISON, "inf")]),
+        "stop_grad": (6, ["--model.update.on_nonfinite", "stop", *_poison_grad(POISON)]),
+        "skip": (SKIP_TOTAL, ["--model.update.on_nonfinite", "skip", *_poison_reward(SKIP_LOSS, "-inf"),
                               *_poison_grad(SKIP_GRAD)]),
     }
     runs = {}
     for name, (steps, extra) in specs.items():
         root = tmp_path_factory.mktemp(f"nan_{name}")
-        args = _fit_args(root, tiny_model_dir, steps, "--model.validate_at_start", "false",
+        args = _fit_args(root, tiny_model_dir, steps, "--model.validation.at_start", "false",
                          *_ckpt_every_step(root / "ckpt"), *extra)
         runs[name] = _cli(name, args, root, env)
     _wait_all(*runs.values())
@@ -672,7 +672,7 @@ def test_nonfinite_stop_raises_with_step_and_stats_and_writes_no_poisoned_checkp
     text = run.stdout + run.stderr
     assert "NonFiniteError" in text, run.explain()
     assert f"non-finite {what} at step {POISON}" in text, run.explain()
-    stats = re.search(r"rollout statistics: (.*?) \(on_nonfinite=stop", text)
+    stats = re.search(r"rollout statistics: (.*?) \(update\.on_nonfinite=stop", text)
     assert stats, run.explain()
     for key in ("train/reward=", "train/kl=", "train/completion_length=", "train/loss="):
         assert key in stats.group(1), stats.group(1)
@@ -719,8 +719,8 @@ def test_nonfinite_skip_resume_restores_the_counter_and_stays_exact(nan_runs, ti
     ckdir = run.cwd / "ckpt"
     start = next(f for f in ckdir.glob("*.ckpt") if _step_of(f) == SKIP_LOSS + 2)
     root = run.cwd / "resumed"
-    args = _fit_args(root, tiny_model_dir, SKIP_TOTAL, "--model.validate_at_start", "false",
-                     "--model.on_nonfinite", "skip", *_poison_grad(SKIP_GRAD), *_ckpt_every_step(root / "ckpt"),
+    args = _fit_args(root, tiny_model_dir, SKIP_TOTAL, "--model.validation.at_start", "false",
+                     "--model.update.on_nonfinite", "skip", *_poison_grad(SKIP_GRAD), *_ckpt_every_step(root / "ckpt"),
                      "--ckpt_path", str(start))
     resumed = _cli("resumed", args, root, _env(_cache_dir)).wait()
     assert resumed.rc == 0, resumed.explain()

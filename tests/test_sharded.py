@@ -12,7 +12,7 @@ helper ...``); nothing forks inside pytest. The runs start together (2 cores) in
   decoder layer), which refuses a CPU by an exact-type check: a subclass that only passes FSDP
   ``device_id=cpu`` gets past it, for this test only (Lightning itself runs FSDP on GPUs only).
 
-The generation probe, in ``training_step`` at step 0 through ``RLOOModule.rollout`` (so through
+The generation probe, in ``training_step`` at step 0 through ``RLOOModule.sample`` (so through
 ``gathered_for_generation``): rank 0 ends every completion after 1 token (every token is an EOS), rank 1
 runs the whole budget (``min_new_tokens``). A ``TorchDispatchMode`` counts the collectives (c10d ops)
 dispatched inside ``generate``: 0 with the gathering. The control, ``gather=False`` (policy left sharded,
@@ -103,7 +103,7 @@ def _cli_fit(name: str, root: Path, model_dir: str, max_steps: int, env: dict, *
         "--data.num_val_rows", "8",
         "--data.batch_size", "4",
         # the reference trails the policy (gathered from the shards) and is checkpointed; HF export gathers too
-        "--model.ref_sync_steps", "2",
+        "--model.kl.ref_sync_steps", "2",
         "--trainer.callbacks+=rloo_lightning.callbacks.HFExport",
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
         f"--trainer.callbacks.dirpath={root / 'ckpt'}",
@@ -473,7 +473,7 @@ def test_zero3_configure_model_loads_policy_partitioned_and_reference_whole(monk
 
     monkeypatch.setattr(models, "load_causal_lm", load)
     strategy, _ = _zero3_strategy_with_engine(None, log)
-    module = RLOOModule(tiny_model_dir, reward_funcs=["rloo_lightning.tasks.reverse.reward"], beta=0.1)
+    module = RLOOModule(tiny_model_dir, rewards={"funcs": ["rloo_lightning.tasks.reverse.reward"]}, kl={"beta": 0.1})
     module._trainer = SimpleNamespace(strategy=strategy)
     module.configure_model()
     assert log == [("hf_ds_config", 3), ("load", True), ("shutdown_init",), ("load", False), ("restore_init",)]
@@ -492,7 +492,7 @@ def test_other_strategies_configure_model_copies_the_reference(monkeypatch, tiny
     loads = []
     real_load = models.load_causal_lm
     monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: loads.append(1) or real_load(*a, **k))
-    module = RLOOModule(tiny_model_dir, reward_funcs=["rloo_lightning.tasks.reverse.reward"], beta=0.1)
+    module = RLOOModule(tiny_model_dir, rewards={"funcs": ["rloo_lightning.tasks.reverse.reward"]}, kl={"beta": 0.1})
     module._trainer = SimpleNamespace(strategy=_bare(DDPStrategy))
     module.configure_model()
     assert loads == [1]  # one load; the reference is a deep copy
@@ -584,7 +584,7 @@ def _helper_main(argv: list[str]) -> None:  # pragma: no cover - runs in subproc
             saved = self.generation_config
             self.generation_config = cfg
             try:
-                rollout = RLOOModule.rollout(self, batch, 2, seed=123)  # through gathered_for_generation
+                rollout = RLOOModule.sample(self, batch, 2, seed=123)  # through gathered_for_generation
             finally:
                 self.generation_config = saved
                 del policy.generate
@@ -632,9 +632,10 @@ def _helper_main(argv: list[str]) -> None:  # pragma: no cover - runs in subproc
             torch.save(state, out / f"full_weights_rank{self.global_rank}.pt")
 
     module = Probed(
-        args.model, reward_funcs=["rloo_lightning.tasks.reverse.reward"], k=4, beta=0.05, max_new_tokens=6,
-        warmup_ratio=0.0, validate_at_start=False, out=str(out), micro_batch_size=args.micro_batch_size,
-        optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
+        args.model, rewards={"funcs": ["rloo_lightning.tasks.reverse.reward"]},
+        sampling={"k": 4, "max_new_tokens": 6}, kl={"beta": 0.05},
+        update={"warmup_ratio": 0.0, "micro_batch_size": args.micro_batch_size}, validation={"at_start": False},
+        out=str(out), optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
     )
     data = PromptDataModule(tokenizer_name_or_path=args.model, task="reverse", batch_size=4,
                             num_train_rows=64, num_val_rows=4, max_new_tokens=6)

@@ -31,7 +31,7 @@ from lightning.pytorch.loggers import CSVLogger
 from rloo_lightning.callbacks import RolloutHook
 from rloo_lightning.data import PromptDataModule
 from rloo_lightning.module import RLOOModule
-from rloo_lightning.objectives import completion_mask
+from rloo_lightning.logprobs import completion_mask
 from rloo_lightning.rollout import Rollout
 
 LETTERS = "abcdefgh"
@@ -56,7 +56,7 @@ class DropRows(RolloutHook):
     """From ``global_step >= from_step`` on, drop the rows (prompt, j) whose hash is 0 mod 3.
 
     A function of the prompt text, so the single process drops the same rows as the ranks; the
-    ranks then keep unequal numbers of rows, which is what ``RLOOModule._loss_denominators`` divides by.
+    ranks then keep unequal numbers of rows, which is what ``rloo_lightning.update.loss_denominators`` divides by.
     Records the number of rows each rank kept in ``kept_rank{r}.jsonl``.
     """
 
@@ -73,14 +73,14 @@ class DropRows(RolloutHook):
 
 
 class FixedRolloutRLOO(RLOOModule):
-    """RLOOModule whose ``rollout()`` returns fixed completions; saves gradients and prompts."""
+    """RLOOModule whose ``sample()`` returns fixed completions; saves gradients and prompts."""
 
     def __init__(self, *args, out: str = ".", **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.out = Path(out)
 
-    def rollout(self, batch: dict, k: int, seed: int, greedy: bool = False) -> Rollout:
-        T = self.hparams.max_new_tokens
+    def sample(self, batch: dict, k: int, seed: int, greedy: bool = False) -> Rollout:
+        T = self.cfg.sampling.max_new_tokens
         eos = self.eos_token_ids[0]
         rows = [fixed_completion_ids(self.tokenizer, p, j, T, eos) for p in batch["prompt"] for j in range(k)]
         completion_ids = torch.tensor(rows, device=self.device)
@@ -131,9 +131,10 @@ def main() -> None:
 
     lr = args.lr
     module = FixedRolloutRLOO(
-        args.model, reward_funcs=["rloo_lightning.tasks.reverse.reward"], k=4, beta=0.05, max_new_tokens=6,
-        warmup_ratio=0.0, validate_at_start=False, out=str(out), micro_batch_size=args.micro_batch_size,
-        optimizer=lambda params: torch.optim.SGD(params, lr=lr),
+        args.model, rewards={"funcs": ["rloo_lightning.tasks.reverse.reward"]},
+        sampling={"k": 4, "max_new_tokens": 6}, kl={"beta": 0.05},
+        update={"warmup_ratio": 0.0, "micro_batch_size": args.micro_batch_size}, validation={"at_start": False},
+        out=str(out), optimizer=lambda params: torch.optim.SGD(params, lr=lr),
     )
     data = PromptDataModule(tokenizer_name_or_path=args.model, task="reverse", batch_size=args.batch_size,
                             num_train_rows=args.num_train_rows, num_val_rows=4, max_new_tokens=6)
