@@ -1,0 +1,180 @@
+"""RLOOModule's option groups (``rloo_lightning.config``): each checks itself and names the option in its
+errors; the old flat names fail naming the new ones (Python, CLI, YAML); checkpoints hold plain primitives."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import sys
+
+import pytest
+import torch
+import yaml
+from cli_harness import CONFIGS, make_env, start_cli, wait_all
+
+from rloo_lightning import RLOOModule
+from rloo_lightning.config import (
+    GROUPS,
+    RENAMED,
+    AdvantageArgs,
+    DynamicSamplingArgs,
+    KLArgs,
+    PolicyArgs,
+    RewardArgs,
+    SamplingArgs,
+    ShapingArgs,
+    UpdateArgs,
+    ValidationArgs,
+    as_group,
+)
+
+REWARD = "rloo_lightning.tasks.reverse.reward"
+QUICKSTART = CONFIGS / "quickstart.yaml"
+
+BAD = [
+    (RewardArgs, {"funcs": []}, "rewards.funcs must name at least one reward function"),
+    (SamplingArgs, {"k": 1}, "sampling.k must be >= 2"),
+    (SamplingArgs, {"max_new_tokens": 0}, "sampling.max_new_tokens must be >= 1"),
+    (SamplingArgs, {"temperature": 0.0}, "sampling.temperature must be > 0"),
+    (SamplingArgs, {"stop_strings": ["ab", ""]}, "sampling.stop_strings must be non-empty strings"),
+    (ShapingArgs, {"overlong_buffer": -1}, "shaping.overlong_buffer must be >= 0"),
+    (ShapingArgs, {"reward_clip": [1.0, -1.0]}, "shaping.reward_clip must be [low, high] with low < high"),
+    (KLArgs, {"beta": -0.1}, "kl.beta must be >= 0"),
+    (KLArgs, {"estimator": "k4"}, "kl.estimator must be one of 'k1', 'k2', 'k3'; got 'k4'"),
+    (KLArgs, {"placement": "after"}, "kl.placement must be one of 'reward', 'token_reward', 'loss'; got 'after'"),
+    (KLArgs, {"clamp": 0.0}, "kl.clamp must be > 0 or None"),
+    (KLArgs, {"ref_sync_alpha": 0.0}, "kl.ref_sync_alpha in (0, 1]"),
+    (AdvantageArgs, {"baseline": "max"}, "advantage.baseline must be one of 'leave_one_out'"),
+    (AdvantageArgs, {"baseline_decay": 1.0}, "advantage.baseline_decay must be in [0, 1)"),
+    (AdvantageArgs, {"clip": [2.0, 1.0]}, "advantage.clip must be [low, high] with low < high"),
+    (UpdateArgs, {"loss_aggregation": "mean"}, "update.loss_aggregation must be one of 'seq_sum'"),
+    (UpdateArgs, {"clip_mode": "row"}, "update.clip_mode must be one of 'sequence', 'token'"),
+    (UpdateArgs, {"on_nonfinite": "ignore"}, "update.on_nonfinite must be one of 'stop', 'skip'"),
+    (UpdateArgs, {"loss_norm_constant": 0.0}, "update.loss_norm_constant must be > 0 or None"),
+    (UpdateArgs, {"updates_per_rollout": 0}, "update.updates_per_rollout must be >= 1"),
+    (UpdateArgs, {"clip_eps_low": 1.0}, "update.clip_eps_low must be in [0, 1)"),
+    (UpdateArgs, {"dual_clip": 3.0}, "update.dual_clip must be > 1 and needs update.clip_mode='token'"),
+    (UpdateArgs, {"micro_batch_size": 0}, "update.micro_batch_size must be >= 1"),
+    (UpdateArgs, {"warmup_ratio": 1.0}, "update.warmup_ratio must be in [0, 1)"),
+    (DynamicSamplingArgs, {"max_rounds": 0}, "dynamic_sampling.max_rounds must be >= 1"),
+    (DynamicSamplingArgs, {"atol": -0.5}, "dynamic_sampling.atol >= 0"),
+    (ValidationArgs, {"num_samples": 0}, "validation.num_samples must be >= 1"),
+    (ValidationArgs, {"num_samples": 2, "pass_k": [4]}, "validation.pass_k=[4]: each k must be in [1, "
+                                                        "validation.num_samples=2]"),
+    (PolicyArgs, {"lora_export": "both"}, "policy.lora_export must be one of 'merged', 'adapter'; got 'both'"),
+    (PolicyArgs, {"lora": {}}, "policy.lora must be a non-empty mapping"),
+    (PolicyArgs, {"lora": {"r": 4, "task_type": "SEQ_CLS"}}, "policy.lora: task_type is set by RLOOModule"),
+]
+
+
+@pytest.mark.parametrize("cls, fields, message", BAD, ids=[f"{c.prefix}-{'-'.join(f)}" for c, f, _ in BAD])
+def test_groups_validate_themselves_naming_the_option(cls, fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cls(**fields)
+    # the same check and message when the group comes to RLOOModule as a dict (as from YAML)
+    groups = {"rewards": {"funcs": [REWARD]}, cls.prefix: {**({"funcs": [REWARD]} if cls is RewardArgs else {}),
+                                                           **fields}}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        RLOOModule("unused", **groups)
+
+
+def test_groups_accept_dicts_or_instances_and_are_frozen():
+    a = RLOOModule("unused", rewards={"funcs": [REWARD]}, kl={"beta": 0.1}, sampling=SamplingArgs(k=3))
+    assert isinstance(a.cfg.kl, KLArgs) and a.cfg.kl.beta == 0.1 and a.cfg.kl.estimator == "k1"
+    assert isinstance(a.cfg.sampling, SamplingArgs) and a.cfg.sampling.k == 3
+    assert a.cfg.update == UpdateArgs()  # a group not given has its defaults
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.cfg.kl.beta = 0.2
+    # YAML lists become the typed values
+    assert ShapingArgs(reward_clip=[-1, 2]).reward_clip == (-1.0, 2.0)
+
+
+def test_unknown_field_names_the_group_and_the_closest_field():
+    with pytest.raises(ValueError, match=re.escape("unknown option kl.betta; did you mean kl.beta?")):
+        as_group(KLArgs, {"betta": 0.1})
+    with pytest.raises(ValueError, match=re.escape("unknown option sampling.beta")):
+        RLOOModule("unused", rewards={"funcs": [REWARD]}, sampling={"beta": 0.1})
+
+
+def test_every_renamed_option_is_a_field_of_its_group():
+    for old, new in RENAMED.items():
+        group, name = new.split(".")
+        assert name in {f.name for f in dataclasses.fields(GROUPS[group])}, (old, new)
+
+
+def test_flat_keyword_raises_naming_the_new_option():
+    with pytest.raises(ValueError, match=re.escape("beta is now kl.beta")):
+        RLOOModule("unused", rewards={"funcs": [REWARD]}, beta=0.1)
+    with pytest.raises(ValueError, match=r"reward_funcs is now rewards\.funcs.*validate_at_start is now "
+                                         r"validation\.at_start"):
+        RLOOModule("unused", reward_funcs=[REWARD], rewards={"funcs": [REWARD]}, validate_at_start=False)
+
+
+def test_cli_main_refuses_flat_options_before_parsing():
+    from rloo_lightning.cli import main
+
+    with pytest.raises(SystemExit, match=re.escape("model.beta -> model.kl.beta")):
+        main(["fit", "--config", str(QUICKSTART), "--model.beta", "0.1"])
+
+
+@pytest.mark.slow
+def test_cli_and_yaml_with_flat_options_exit_naming_the_new_ones(tmp_path, _cache_dir):
+    config = yaml.safe_load(QUICKSTART.read_text())
+    model = config["model"]
+    # the old flat form of the quickstart's model section
+    flat = dict(model_name_or_path=model["model_name_or_path"], reward_funcs=model["rewards"]["funcs"],
+                k=model["sampling"]["k"], beta=model["kl"]["beta"], optimizer=model["optimizer"])
+    (tmp_path / "flat.yaml").write_text(yaml.safe_dump({**config, "model": flat}))
+    env = make_env(_cache_dir)
+    procs = {
+        "flag": start_cli("flag", ["fit", "--config", str(QUICKSTART), "--model.beta", "0.1"], tmp_path / "flag", env),
+        "flag_eq": start_cli("flag_eq", ["fit", "--config", str(QUICKSTART), "--model.beta=0.1"], tmp_path / "flag_eq",
+                             env),
+        "yaml": start_cli("yaml", ["fit", "--config", str(tmp_path / "flat.yaml")], tmp_path / "yaml", env),
+    }
+    wait_all(*procs.values())
+    for name, proc in procs.items():
+        assert proc.rc not in (0, None) and not proc.timed_out, proc.explain()
+        assert "model.kl.beta" in proc.log, proc.explain()
+        assert not (proc.cwd / "lightning_logs").exists(), name  # refused before any training
+    text = procs["yaml"].log
+    assert "model.reward_funcs -> model.rewards.funcs" in text and "model.k -> model.sampling.k" in text, text
+
+
+@pytest.mark.slow
+def test_checkpoint_hyperparameters_are_plain_primitives(tmp_path, tiny_model_dir, _cache_dir):
+    from lightning.pytorch import Trainer
+
+    from rloo_lightning.data import PromptDataModule
+
+    model = yaml.safe_load(QUICKSTART.read_text())["model"]
+    groups = {name: value for name, value in model.items() if name in GROUPS}
+    module = RLOOModule(tiny_model_dir, **groups, validation={"at_start": False})
+    assert module.hparams["kl"]["beta"] == 0.05 and isinstance(module.hparams["kl"], dict)
+    data = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, task="reverse", batch_size=4, num_train_rows=8,
+                            num_val_rows=4, max_new_tokens=model["sampling"]["max_new_tokens"])
+    trainer = Trainer(accelerator="cpu", max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.fit(module, datamodule=data)
+    ckpt = tmp_path / "one_step.ckpt"
+    trainer.save_checkpoint(ckpt)
+
+    # A process that never imports rloo_lightning loads it with weights_only=True: nothing but primitives and tensors.
+    code = ("import json, sys, torch\n"
+            "ckpt = torch.load(sys.argv[1], map_location='cpu', weights_only=True)\n"
+            "assert not any(m.split('.')[0] == 'rloo_lightning' for m in sys.modules), 'imported rloo_lightning'\n"
+            "print(json.dumps(ckpt['hyper_parameters']))\n")
+    from cli_harness import Proc
+
+    proc = Proc("load", [sys.executable, "-c", code, str(ckpt)], tmp_path / "load", make_env(_cache_dir)).check()
+    hparams = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert hparams["kl"]["beta"] == 0.05 and hparams["kl"]["estimator"] == "k1"
+    assert hparams["sampling"]["k"] == 4 and hparams["sampling"]["max_new_tokens"] == 8
+    assert hparams["rewards"]["funcs"] == [REWARD] and hparams["model_name_or_path"] == tiny_model_dir
+
+    loaded = RLOOModule.load_from_checkpoint(ckpt, weights_only=True)
+    assert isinstance(loaded.cfg.kl, KLArgs) and loaded.cfg.kl == module.cfg.kl
+    assert all(getattr(loaded.cfg, name) == getattr(module.cfg, name) for name in GROUPS)
+    for (name, a), b in zip(loaded.policy.state_dict().items(), module.policy.state_dict().values()):
+        assert torch.equal(a, b), name
