@@ -9,18 +9,18 @@ Reads TensorBoard scalars as scripts/quickstart_seeds.py does. 18 fits of 400 st
 Every run is `rloo-lightning fit --config configs/quickstart.yaml` with overrides, one CLI subprocess each:
 
     rloo_k2, rloo_k4, rloo_k8   leave-one-out baseline (the paper's RLOO), k = 2, 4, 8
-    reinforce                   `--model.baseline none` (vanilla policy gradient), k = 4
-    reinforce_ma                `--model.baseline moving_average` (REINFORCE w/ baseline), k = 4
-    grpo_std                    `--model.baseline group_mean_std` (GRPO's advantage, no clip), k = 4
+    reinforce                   `--model.advantage.baseline none` (vanilla policy gradient), k = 4
+    reinforce_ma                `--model.advantage.baseline moving_average` (REINFORCE w/ baseline), k = 4
+    grpo_std                    `--model.advantage.baseline group_mean_std` (GRPO's advantage, no clip), k = 4
 
 Equal sample budget: every run samples `--completions` completions per step (batch_size = completions / k
 prompts) for the same number of steps, so completions seen are equal at every step. The group-mean baseline
 (Dr.GRPO) is not a run: it is leave-one-out times (k-1)/k, a learning-rate change (a test shows the identity).
 
 Validation uses the same prompts (`data.seed`), the same validation batches (`--data.val_batch_size` fixed for
-every run, so the batch layout does not change with k) and the same sampler stream (`model.seed`) in every run
-of a seed, so runs of one seed are compared on identical draws. `seed_everything`, `model.seed` and `data.seed`
-are all set to the seed.
+every run, so the batch layout does not change with k) and the same sampler stream (`model.sampling.seed`) in
+every run of a seed, so runs of one seed are compared on identical draws. `seed_everything`, `model.sampling.seed`
+and `data.seed` are all set to the seed.
 
 Writes `<out>.json` (curves, final values, mean +- std over seeds, commands, wall time) and `<out>.png`.
 Defaults: two fits at a time (`--jobs 2`), one torch thread each (`--threads 1`, OMP/MKL_NUM_THREADS; 0 = torch's
@@ -78,8 +78,8 @@ def command(name: str, seed: int, args: argparse.Namespace, extra: list[str]) ->
     if args.completions % k:
         raise SystemExit(f"--completions {args.completions} is not a multiple of k={k}")
     return [cli(), "fit", "--config", str(CONFIG.relative_to(ROOT)),
-            "--seed_everything", str(seed), "--model.seed", str(seed), "--data.seed", str(seed),
-            "--model.k", str(k), "--model.baseline", baseline,
+            "--seed_everything", str(seed), "--model.sampling.seed", str(seed), "--data.seed", str(seed),
+            "--model.sampling.k", str(k), "--model.advantage.baseline", baseline,
             "--data.batch_size", str(args.completions // k), "--data.val_batch_size", str(args.val_batch_size),
             "--trainer.max_steps", str(args.steps), "--trainer.val_check_interval", str(args.val_every),
             "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false", *extra]

@@ -10,8 +10,8 @@ interleaved a b c a b c ... (one round per seed):
 
 (a) rloo_lightning: ``rloo_lightning.cli.main`` with the unchanged ``configs/quickstart.yaml`` (all its
     logging, metrics, validation before training and checkpoint), overriding only the model, the sizes
-    (``data.batch_size`` prompts, ``model.k``, ``model.max_new_tokens``), the steps and the seeds, plus
-    the per-size overrides listed in ``SIZES`` (below). Steps are timed by
+    (``data.batch_size`` prompts, ``model.sampling.k``, ``model.sampling.max_new_tokens``), the steps and the
+    seeds, plus the per-size overrides listed in ``SIZES`` (below). Steps are timed by
     :class:`rloo_lightning.timing.StepTimer` (``on_train_batch_start`` -> ``on_train_batch_end``), which
     also gives the split: backward, optimizer, and the module's phase timers when it has them
     (``--model.time_phases true`` is passed if RLOOModule accepts it; ``--no-phases`` turns that off).
@@ -103,14 +103,14 @@ def run_a(spec_path: str, out_path: str) -> None:
     s = str(spec["seed"])
     args = ["fit", "--config", str(QUICKSTART),
             "--model.model_name_or_path", spec["a_model"],
-            "--model.k", str(spec["k"]), "--model.max_new_tokens", str(spec["max_new_tokens"]),
+            "--model.sampling.k", str(spec["k"]), "--model.sampling.max_new_tokens", str(spec["max_new_tokens"]),
             "--data.batch_size", str(spec["prompts"]),
             "--trainer.max_steps", str(spec["total_steps"]),
-            "--seed_everything", s, "--model.seed", s, "--data.seed", s,
+            "--seed_everything", s, "--model.sampling.seed", s, "--data.seed", s,
             "--trainer.default_root_dir", str(work),
             "--trainer.callbacks+=rloo_lightning.timing.StepTimer", f"--trainer.callbacks.path={steps_file}"]
     if spec.get("a_gguf_file"):
-        args += ["--model.gguf_file", spec["a_gguf_file"]]
+        args += ["--model.policy.gguf_file", spec["a_gguf_file"]]
     override = spec.get("override", {})
     if "lr" in override:
         args += ["--model.optimizer.init_args.lr", str(override["lr"])]
@@ -406,12 +406,12 @@ def main() -> None:
                 "a_gguf_file": cfg["gguf_file"] if args.smollm2_source == "gguf" else None,
                 "hf_dir": prep["hf_dir"],
                 "prompts": cfg["prompts"] or qs["data"]["batch_size"],
-                "k": cfg["k"] or qs_model["k"],
-                "max_new_tokens": cfg["max_new_tokens"] or qs_model["max_new_tokens"],
-                "beta": qs_model["beta"], "temperature": qs_model["temperature"], "lr": lr,
+                "k": cfg["k"] or qs_model["sampling"]["k"],
+                "max_new_tokens": cfg["max_new_tokens"] or qs_model["sampling"]["max_new_tokens"],
+                "beta": qs_model["kl"]["beta"], "temperature": qs_model["sampling"]["temperature"], "lr": lr,
                 # our default schedule: linear warm-up over int(0.03 * max_steps) steps, then constant
                 "warmup_steps_lr": int(0.03 * total),
-                "task": qs["data"]["task"], "reward": qs_model["reward_funcs"][0],
+                "task": qs["data"]["task"], "reward": qs_model["rewards"]["funcs"][0],
                 "num_train_rows": 4000,  # PromptDataModule's default, which the quickstart keeps
                 "total_steps": total, "threads": args.threads, "override": cfg["override"],
                 "phases": not args.no_phases, "trl_own_defaults": args.trl_own_defaults,
@@ -458,7 +458,7 @@ NOTES = [
     "of the policy over prompt + completion every step (its old_per_token_logps, used for the KL in the reward "
     "and the importance ratio, which is 1 with num_iterations=1); ours and (c) reuse the log-probs of the "
     "update's forward, detached. (b) computes log-probs with TRL's chunked fused LM head (no [B,T,V] logits), "
-    "ours and (c) with rloo_lightning.objectives.token_logprobs on the completion positions' logits. "
+    "ours and (c) with rloo_lightning.logprobs.token_logprobs on the completion positions' logits. "
     "(b) computes the gradient norm every step for its logs even with clipping off (max_grad_norm=0). "
     "(a) also runs its validation pass before training and writes a checkpoint at the end: outside the "
     "step windows, but in its wall time and peak RSS; (b) saves nothing.",

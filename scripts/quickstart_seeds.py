@@ -2,7 +2,7 @@
 
     python scripts/quickstart_seeds.py [--seeds 0 1 2] [--out docs/quickstart_seeds] [-- extra CLI args]
 
-Each run is the unchanged `configs/quickstart.yaml` with `seed_everything`, `model.seed` and
+Each run is the unchanged `configs/quickstart.yaml` with `seed_everything`, `model.sampling.seed` and
 `data.seed` set to the seed. Writes `<out>.json` and, if matplotlib is installed, `<out>.png`.
 """
 
@@ -31,7 +31,7 @@ def read_scalars(log_dir: Path, tags: list[str]) -> dict[str, list[tuple[int, fl
 def run_seed(seed: int, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "rloo_lightning", "fit", "--config", str(ROOT / "configs" / "quickstart.yaml"),
-               "--seed_everything", str(seed), "--model.seed", str(seed), "--data.seed", str(seed),
+               "--seed_everything", str(seed), "--model.sampling.seed", str(seed), "--data.seed", str(seed),
                "--trainer.default_root_dir", tmp, "--trainer.enable_progress_bar", "false", *extra]
         start = time.perf_counter()
         subprocess.run(cmd, check=True, cwd=tmp, stdout=subprocess.DEVNULL)
