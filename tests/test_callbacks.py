@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_harness import CONFIGS, Proc, make_env, run_cli
 from lightning.pytorch import Trainer
 
 from rloo_lightning import RLOOModule
@@ -18,7 +16,6 @@ from rloo_lightning.advantages import group_std, informative_groups
 from rloo_lightning.callbacks.kl import adaptive_beta
 from rloo_lightning.data import collate_prompts
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module(model_dir: str, beta: float = 0.05, k: int = 3) -> RLOOModule:
@@ -162,25 +159,24 @@ def test_sample_logger_table(tiny_model_dir):
 
 # -- end to end through the CLI, with ModelCheckpoint / EarlyStopping / LearningRateMonitor ----------
 
-def _fit(tmp: Path, cache: Path, max_steps: int, extra: list[str] = ()) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", RLOO_LIGHTNING_CACHE=str(cache))
-    cmd = [sys.executable, "-m", "rloo_lightning", "fit", "--config", str(ROOT / "configs/quickstart.yaml"),
-           "--config", str(ROOT / "configs/callbacks.yaml"), "--trainer.max_steps", str(max_steps),
-           "--trainer.val_check_interval", "2", "--trainer.default_root_dir", str(tmp),
-           "--trainer.enable_progress_bar", "false", "--data.num_train_rows", "256", "--data.num_val_rows", "16",
-           "--trainer.callbacks+=rloo_lightning.callbacks.SampleLogger",
-           "--trainer.callbacks.every_n_steps=2", *extra]
-    return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+def _fit(name: str, tmp: Path, cache: Path, max_steps: int, extra: list[str] = ()) -> Proc:
+    """The CLI with the quickstart + callbacks configs (the warm-started tiny:reverse model); raises on failure."""
+    args = ["fit", "--config", CONFIGS / "quickstart.yaml", "--config", CONFIGS / "callbacks.yaml",
+            "--trainer.max_steps", max_steps, "--trainer.val_check_interval", "2", "--trainer.default_root_dir", tmp,
+            "--trainer.enable_progress_bar", "false", "--data.num_train_rows", "256", "--data.num_val_rows", "16",
+            "--trainer.callbacks+=rloo_lightning.callbacks.SampleLogger", "--trainer.callbacks.every_n_steps=2",
+            *extra]
+    return run_cli(name, args, tmp, make_env(cache, OMP_NUM_THREADS=None), timeout=600)
 
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory, _cache_dir):
     tmp = tmp_path_factory.mktemp("cb_fit")
-    first = _fit(tmp, _cache_dir, 4)
-    assert first.returncode == 0, first.stderr[-3000:]
+    _fit("fit", tmp, _cache_dir, 4)
     return tmp
 
 
+@pytest.mark.slow
 def test_tensorboard_has_scalars_histograms_text(fitted):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -196,6 +192,7 @@ def test_tensorboard_has_scalars_histograms_text(fitted):
     assert any(t.startswith("samples") for t in tags["tensors"])
 
 
+@pytest.mark.slow
 def test_export_loads_and_generates(fitted):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -207,14 +204,14 @@ def test_export_loads_and_generates(fitted):
     assert out.shape[1] > ids["input_ids"].shape[1]
 
 
+@pytest.mark.slow
 def test_callback_state_survives_resume(fitted, _cache_dir):
     ckpt_dir = fitted / "lightning_logs" / "version_0" / "checkpoints"
     state = torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=True)  # no pickled code
     filt = next(v for k, v in state["callbacks"].items() if k.startswith("ZeroVarianceFilter"))
     assert filt["seen_groups"] == 4 * 16  # 4 steps x batch_size 16 prompts
     assert "beta" in state["state_dict"]
-    resumed = _fit(fitted, _cache_dir, 6, ["--ckpt_path", str(ckpt_dir / "last.ckpt")])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _fit("resumed", fitted, _cache_dir, 6, ["--ckpt_path", str(ckpt_dir / "last.ckpt")])
     last = sorted((fitted / "lightning_logs").glob("version_*/checkpoints/last.ckpt"))[-1]
     state = torch.load(last, map_location="cpu", weights_only=True)
     filt = next(v for k, v in state["callbacks"].items() if k.startswith("ZeroVarianceFilter"))

@@ -10,18 +10,16 @@ building the warm-started ``tiny:reverse`` model takes a minute or more on 2 CPU
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from cli_harness import CONFIGS, make_env, start_cli, wait_all
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = str(REPO / "configs" / "quickstart.yaml")
-CLI = [sys.executable, "-m", "rloo_lightning"]
+pytestmark = pytest.mark.slow  # subprocesses
+
+CONFIG = str(CONFIGS / "quickstart.yaml")
 TIMEOUT = 400
 
 
@@ -39,15 +37,7 @@ def _fit_args(root: Path, model_dir: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory, tiny_model_dir, _cache_dir):
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "RLOO_LIGHTNING_CACHE": str(_cache_dir),
-        "OMP_NUM_THREADS": "1",
-    }
-    runs = {}
+    env = make_env(_cache_dir)
     fit_root = tmp_path_factory.mktemp("cli_fit")
     k1_root = tmp_path_factory.mktemp("cli_k1")
     specs = {
@@ -57,29 +47,14 @@ def cli(tmp_path_factory, tiny_model_dir, _cache_dir):
         "help": (["--help"], tmp_path_factory.mktemp("cli_help")),
         "k1": (_fit_args(k1_root, tiny_model_dir) + ["--model.sampling.k", "1"], k1_root),
     }
-    procs = {}
-    for name, (args, cwd) in specs.items():
-        out, err = open(cwd / "stdout.txt", "w"), open(cwd / "stderr.txt", "w")
-        procs[name] = (subprocess.Popen(CLI + args, cwd=cwd, env=env, stdout=out, stderr=err), out, err, cwd)
-    for name, (proc, out, err, cwd) in procs.items():
-        try:
-            proc.wait(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        out.close()
-        err.close()
-        runs[name] = {
-            "rc": proc.returncode,
-            "stdout": (cwd / "stdout.txt").read_text(),
-            "stderr": (cwd / "stderr.txt").read_text(),
-            "root": cwd,
-        }
-    return runs
+    procs = {name: start_cli(name, args, cwd, env, timeout=TIMEOUT) for name, (args, cwd) in specs.items()}
+    wait_all(*procs.values())
+    return {name: {"rc": p.rc, "stdout": p.stdout, "stderr": p.stderr, "root": p.cwd, "proc": p}
+            for name, p in procs.items()}
 
 
 def _explain(run) -> str:
-    return f"rc={run['rc']}\n--- stdout ---\n{run['stdout'][-3000:]}\n--- stderr ---\n{run['stderr'][-5000:]}"
+    return run["proc"].explain()
 
 
 def test_fit_exits_zero(cli):

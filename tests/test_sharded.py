@@ -26,72 +26,25 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from cli_harness import CONFIGS, Proc, make_env, start_cli, start_script
 from test_reliability import _flat_tensors
 
-REPO = Path(__file__).resolve().parents[1]
-TESTS = REPO / "tests"
-CONFIG = str(REPO / "configs" / "fsdp2_cpu.yaml")
+CONFIG = str(CONFIGS / "fsdp2_cpu.yaml")
 TIMEOUT = 240  # per subprocess; a healthy run takes 15-40 s here. A deadlock is killed and fails the test.
 STEPS, RESUME_AT = 4, 2
 PROBE_TOKENS = 12
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# subprocess plumbing
+# subprocess plumbing (tests/cli_harness.py: a run and the ranks it starts are killed together at the timeout)
 # ---------------------------------------------------------------------------------------------------------------
-def _env(cache: Path) -> dict:
-    pythonpath = os.pathsep.join(p for p in [str(TESTS), os.environ.get("PYTHONPATH", "")] if p)
-    return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-                RLOO_LIGHTNING_CACHE=str(cache), OMP_NUM_THREADS="1", PYTHONPATH=pythonpath)
-
-
-class _Proc:
-    """A subprocess with its output in files; ``wait`` kills it at the timeout (a hang fails, never blocks)."""
-
-    def __init__(self, name: str, cmd: list[str], cwd: Path, env: dict) -> None:
-        cwd.mkdir(parents=True, exist_ok=True)
-        self.name, self.cwd, self.timed_out = name, cwd, False
-        self._out = open(cwd / f"{name}.stdout", "w")
-        self._err = open(cwd / f"{name}.stderr", "w")
-        self.start = time.monotonic()
-        self.popen = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=self._out, stderr=self._err,
-                                      start_new_session=True)
-
-    def wait(self, timeout: float = TIMEOUT) -> "_Proc":
-        try:
-            self.popen.wait(timeout=max(1.0, timeout - (time.monotonic() - self.start)))
-        except subprocess.TimeoutExpired:
-            self.timed_out = True
-            os.killpg(self.popen.pid, 9)  # the launcher and the rank processes it started: its own group
-            self.popen.wait()
-        self._out.close()
-        self._err.close()
-        return self
-
-    @property
-    def rc(self) -> int | None:
-        return self.popen.returncode
-
-    def explain(self) -> str:
-        out = (self.cwd / f"{self.name}.stdout").read_text()
-        err = (self.cwd / f"{self.name}.stderr").read_text()
-        return (f"[{self.name}] rc={self.rc} timed_out={self.timed_out}\n--- stdout ---\n{out[-3000:]}\n"
-                f"--- stderr ---\n{err[-6000:]}")
-
-    @property
-    def log(self) -> str:
-        return (self.cwd / f"{self.name}.stdout").read_text() + (self.cwd / f"{self.name}.stderr").read_text()
-
-
-def _cli_fit(name: str, root: Path, model_dir: str, max_steps: int, env: dict, *extra: str) -> _Proc:
+def _cli_fit(name: str, root: Path, model_dir: str, max_steps: int, env: dict, *extra: str) -> Proc:
     args = [
         "fit", "--config", CONFIG,
         "--model.model_name_or_path", model_dir,
@@ -109,15 +62,16 @@ def _cli_fit(name: str, root: Path, model_dir: str, max_steps: int, env: dict, *
         f"--trainer.callbacks.dirpath={root / 'ckpt'}",
         "--trainer.callbacks.every_n_train_steps=1",
         "--trainer.callbacks.save_top_k=-1",
+        # last.ckpt at the end of fit: a sharded save from on_train_end, on both ranks
+        "--trainer.callbacks+=rloo_lightning.callbacks.checkpoint.FinalCheckpoint",
         *extra,
     ]
-    return _Proc(name, [sys.executable, "-m", "rloo_lightning", *args], root, env)
+    return start_cli(name, args, root, env, timeout=TIMEOUT)
 
 
-def _helper(name: str, root: Path, model_dir: str, strategy: str, env: dict, steps: int = 2, *extra: str) -> _Proc:
-    cmd = [sys.executable, __file__, "helper", "--strategy", strategy, "--model", model_dir,
-           "--out", str(root / "out"), "--steps", str(steps), *extra]
-    return _Proc(name, cmd, root, env)
+def _helper(name: str, root: Path, model_dir: str, strategy: str, env: dict, steps: int = 2, *extra: str) -> Proc:
+    args = ["helper", "--strategy", strategy, "--model", model_dir, "--out", root / "out", "--steps", steps, *extra]
+    return start_script(name, __file__, args, root, env, timeout=TIMEOUT)
 
 
 def _dcp_to_dict(folder: Path, tmp: Path) -> dict:
@@ -136,7 +90,7 @@ def _dcp_to_dict(folder: Path, tmp: Path) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir, _cache_dir):
-    env = _env(_cache_dir)
+    env = make_env(_cache_dir)
     root = tmp_path_factory.mktemp("sharded")
     t0 = time.monotonic()
     procs = {
@@ -163,11 +117,9 @@ def _ckpt(run_root: Path, step: int) -> Path:
     return found[0]
 
 
-def _ok(runs, name: str) -> _Proc:
+def _ok(runs, name: str) -> Proc:
     assert name in runs["procs"], f"{name} did not run (an earlier run failed)"
-    p = runs["procs"][name]
-    assert p.rc == 0 and not p.timed_out, p.explain()
-    return p
+    return runs["procs"][name].check()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -184,6 +136,9 @@ def test_fsdp2_cli_fit_shards_the_policy_and_writes_sharded_checkpoints(runs):
     assert len(shards) == 2, shards  # one file per rank: the policy really was sharded
     meta = torch.load(ckpt / "meta.pt", map_location="cpu", weights_only=False)
     assert meta["global_step"] == STEPS
+    last = runs["root"] / "a" / "ckpt" / "last.ckpt"  # FinalCheckpoint's, sharded too
+    assert len(list(last.glob("*.distcp"))) == 2, sorted(p.name for p in last.parent.iterdir())
+    assert torch.load(last / "meta.pt", map_location="cpu", weights_only=False)["global_step"] == STEPS
 
 
 def test_fsdp2_checkpoint_holds_the_whole_policy_and_no_reference(runs, tmp_path, tiny_model_dir):
@@ -219,7 +174,8 @@ def test_fsdp2_resume_from_a_sharded_checkpoint_matches_the_uninterrupted_run(ru
     a_end = _dcp_to_dict(_ckpt(runs["root"] / "a", STEPS), tmp_path / "a")
     b_end = _dcp_to_dict(_ckpt(runs["root"] / "b", STEPS), tmp_path / "b")
     assert torch.load(_ckpt(runs["root"] / "b", STEPS) / "meta.pt", weights_only=False)["global_step"] == STEPS
-    b_steps = sorted(int(p.name.split("step=")[1].split(".")[0]) for p in (runs["root"] / "b" / "ckpt").iterdir())
+    b_steps = sorted(int(p.name.split("step=")[1].split(".")[0]) for p in (runs["root"] / "b" / "ckpt").iterdir()
+                     if "step=" in p.name)
     assert b_steps == list(range(RESUME_AT + 1, STEPS + 1)), b_steps  # B started after the resume point
     # ref_sync_steps: the moving reference is part of the checkpoint (meta.pt, beside the sharded state)
     a_meta, b_meta = (torch.load(_ckpt(runs["root"] / r, STEPS) / "meta.pt", weights_only=False) for r in "ab")

@@ -1,0 +1,195 @@
+"""``last.ckpt`` at the end of every fit, optionally every N steps, and never stale after a resume."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+
+__all__ = ["FinalCheckpoint"]
+
+LAST = "last.ckpt"
+
+
+class FinalCheckpoint(Callback):
+    """Write ``last.ckpt`` when fit ends (and every ``every_n_steps`` optimizer steps), beside the checkpoints.
+
+    Lightning's ``ModelCheckpoint`` saves on its own triggers only: with validation off, or a ``max_steps``
+    that ``val_check_interval`` does not divide, the steps after its last trigger are lost. This callback
+    adds one checkpoint of the final state, ``last.ckpt``, in the folder of the trainer's first
+    ``ModelCheckpoint`` (its ``dirpath``: by default ``<logger dir>/checkpoints``). It never replaces or
+    changes what a ``ModelCheckpoint`` saves; it only writes ``last.ckpt`` where none of the final step was
+    written yet (a ``ModelCheckpoint(save_last=True)`` that just saved is left alone). Nothing is written
+    when checkpointing is off (``enable_checkpointing=False``: no checkpoint callback) or no step was taken.
+
+    After a resume ``last.ckpt`` stays the newest checkpoint of the folder:
+
+    * a ``ModelCheckpoint`` restored from a checkpoint written before its first ``last.ckpt`` (its
+      ``last_model_path`` is empty then) would find a ``last.ckpt`` on disk and write ``last-v1.ckpt``
+      from then on, leaving ``last.ckpt`` stale; on resume its ``last_model_path`` is pointed back at
+      ``last.ckpt`` (the folder's ``last.ckpt`` is the run's own: the run resumes there);
+    * resumed from another checkpoint of the same folder (a step file, ``last-v1.ckpt``), that checkpoint
+      is copied to ``last.ckpt`` (bit for bit: resuming from either is the same) before the first step,
+      so a crash before the next save does not leave ``last.ckpt`` two or more steps behind.
+
+    Stateless: nothing of it is in the checkpoint. Runs on every rank (``trainer.save_checkpoint`` is
+    collective under DDP and the sharded strategies); file copies are made on global rank 0.
+
+    Args:
+        every_n_steps: also write ``last.ckpt`` every N optimizer steps (0: only at the end of fit).
+    """
+
+    def __init__(self, every_n_steps: int = 0) -> None:
+        if every_n_steps < 0:
+            raise ValueError(f"FinalCheckpoint: every_n_steps must be >= 0, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self._saved_step: int | None = None  # global step of the last.ckpt written in this fit, if any
+        self._train_started = False
+
+    # -- where -------------------------------------------------------------------------------------
+    @staticmethod
+    def _enabled(trainer: Trainer) -> bool:
+        return (
+            bool(trainer.checkpoint_callbacks)
+            and not trainer.fast_dev_run
+            and trainer.state.fn == TrainerFn.FITTING
+        )
+
+    @staticmethod
+    def dirpath(trainer: Trainer) -> str:
+        """The first ``ModelCheckpoint``'s folder, else where Lightning's default one would write."""
+        for cb in trainer.checkpoint_callbacks:
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None:
+                return str(cb.dirpath)
+        if trainer.loggers:
+            logger = trainer.loggers[0]
+            save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
+            version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+            path = os.path.join(save_dir, str(logger.name), version, "checkpoints")
+        else:
+            path = os.path.join(trainer.default_root_dir, "checkpoints")
+        return trainer.strategy.broadcast(path)
+
+    def last_path(self, trainer: Trainer) -> str:
+        return os.path.join(self.dirpath(trainer), LAST)
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._saved_step = None
+        self._train_started = False
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Every state is restored by now (also under strategies that restore after their setup).
+        self._train_started = True
+        if not self._enabled(trainer) or trainer.ckpt_path is None:
+            return
+        target = self.last_path(trainer)
+        for cb in trainer.checkpoint_callbacks:
+            if isinstance(cb, ModelCheckpoint) and cb.save_last and _plain_last_name(cb):
+                cb.last_model_path = os.path.join(str(cb.dirpath), cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION)
+        self._refresh_after_resume(trainer, target)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        step = trainer.global_step
+        if (
+            self.every_n_steps > 0
+            and step > 0
+            and step % self.every_n_steps == 0
+            and self._saved_step != step
+            and self._enabled(trainer)
+        ):
+            self._save(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Here, not in on_fit_end: that runs after the strategy's teardown (model moved off the device).
+        if not self._enabled(trainer) or trainer.global_step == 0 or self._saved_step == trainer.global_step:
+            return
+        target = self.last_path(trainer)
+        for cb in trainer.checkpoint_callbacks:
+            if (
+                isinstance(cb, ModelCheckpoint)
+                and cb.save_last
+                and _same_path(cb.last_model_path, target)
+                and getattr(cb, "_last_global_step_saved", None) == trainer.global_step
+            ):
+                return  # that ModelCheckpoint just wrote last.ckpt of this step
+        self._save(trainer)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Resumed at or past max_steps: the fit loop is skipped (no on_train_start/end), nothing trains,
+        # and last.ckpt is only brought up to the checkpoint resumed from (a file copy needs no model).
+        if not self._train_started and self._enabled(trainer) and trainer.ckpt_path is not None:
+            self._refresh_after_resume(trainer, self.last_path(trainer), barrier=False)
+
+    # -- how ---------------------------------------------------------------------------------------
+    def _save(self, trainer: Trainer) -> None:
+        trainer.save_checkpoint(self.last_path(trainer))  # every rank: a collective under DDP / FSDP
+        self._saved_step = trainer.global_step
+
+    def _refresh_after_resume(self, trainer: Trainer, target: str, barrier: bool = True) -> None:
+        """Copy the checkpoint resumed from to ``target`` when it is another checkpoint of the same folder."""
+        source = str(trainer.ckpt_path)
+        if _same_path(source, target):
+            self._saved_step = trainer.global_step  # resumed from last.ckpt itself: it is the newest
+            return
+        if not (_is_local(source) and _is_local(target)) or not os.path.exists(source):
+            return
+        if not _same_path(os.path.dirname(source), os.path.dirname(target)):
+            return  # resumed from another folder: no stale last.ckpt here to bring up to date
+        if trainer.is_global_zero:
+            _atomic_copy(source, target)
+        if barrier:
+            trainer.strategy.barrier("FinalCheckpoint.refresh")
+        self._saved_step = trainer.global_step
+
+
+def _plain_last_name(cb: ModelCheckpoint) -> bool:
+    """``last`` without ``{metric}`` fields, and a folder: its last checkpoint has one fixed path."""
+    return cb.dirpath is not None and "{" not in cb.CHECKPOINT_NAME_LAST and _is_local(str(cb.dirpath))
+
+
+def _is_local(path: str) -> bool:
+    return "://" not in path or path.startswith("file://")
+
+
+def _same_path(a: str | None, b: str | None) -> bool:
+    if not a or not b:
+        return False
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _atomic_copy(source: str, target: str) -> None:
+    """Copy a checkpoint file (or a sharded checkpoint folder) to ``target``.
+
+    As Lightning's own saves: written to a temporary path in ``$TMPDIR`` first, then moved into place
+    (a rename on the same file system), so a crash never leaves a partial file in the checkpoint folder.
+    """
+    if os.path.isdir(source):
+        tmp = tempfile.mkdtemp()
+        staged = os.path.join(tmp, "ckpt")
+        try:
+            shutil.copytree(source, staged)
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target)
+            elif os.path.lexists(target):
+                os.remove(target)
+            shutil.move(staged, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
+    fd, tmp = tempfile.mkstemp()
+    os.close(fd)
+    try:
+        shutil.copyfile(source, tmp)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
+        elif os.path.islink(target):
+            os.remove(target)  # a save_last="link" symlink: replace the link, not the file it points to
+        shutil.move(tmp, target)
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
