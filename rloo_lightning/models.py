@@ -57,7 +57,7 @@ def load_tokenizer(
     """Tokenizer with left padding (generation appends on the right) and a pad token.
 
     A tokenizer without a pad token gets ``pad = eos``; completion masks never rely on pad ids
-    (see :func:`rloo_lightning.objectives.completion_mask`), so this is safe.
+    (see :func:`rloo_lightning.logprobs.completion_mask`), so this is safe.
     """
     tok = AutoTokenizer.from_pretrained(
         resolve_model_path(name_or_path), trust_remote_code=trust_remote_code, **_gguf(gguf_file)
