@@ -111,15 +111,17 @@ def test_extra_prompts_are_drawn_again_on_resume(tiny_model_dir, tmp_path):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow  # a DDP subprocess
 def test_dynamic_sampling_under_ddp_keeps_ranks_in_step(tmp_path, tiny_model_dir, _cache_dir):
     """Ranks needing different numbers of rounds all take part in each round (no hang, same step count)."""
-    from test_reliability import _cli, _env, _fit_args, _scalars
+    from cli_harness import make_env, start_cli
+    from test_reliability import _fit_args, _scalars
 
     args = _fit_args(tmp_path, tiny_model_dir, 3, "--trainer.strategy", "ddp", "--trainer.devices", "2",
                      "--data.num_train_rows", "32", "--model.dynamic_sampling.enabled", "true",
                      "--model.dynamic_sampling.max_rounds", "3",
                      "--model.rewards.funcs", "[reward_helpers.coarse_length]")
-    run = _cli("ddp_dynamic", args, tmp_path, _env(_cache_dir)).wait(timeout=240)
+    run = start_cli("ddp_dynamic", args, tmp_path, make_env(_cache_dir), timeout=240).wait()
     assert run.rc == 0, run.explain()
     scalars = _scalars(tmp_path / "lightning_logs" / "version_0")
     assert sorted(scalars["train/dynamic_sampling_rounds"]) == [0, 1, 2]
