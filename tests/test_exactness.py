@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import rloo_lightning.module as module_py
-import rloo_lightning.rewards as rewards_py
+import rloo_lightning.rewards.reward_set as reward_set_py
 import rloo_lightning.rollout as rollout_py
 from rloo_lightning import advantages as advantages_py
 from rloo_lightning import logprobs as logprobs_py
@@ -200,7 +200,7 @@ BUGS = {
             "loss = aggregate_token_loss(per_token, mask, 'token_mean',")))],
     "advantage of the unshaped reward": [(module_py.RLOOModule, "compute_advantages", lambda f: _mutated(
         f, ("self.advantage_estimator(rollout.shaped_rewards,", "self.advantage_estimator(rollout.rewards,")))],
-    "missing reward counted as 0": [(rewards_py, "to_floats", lambda f: _mutated(
+    "missing reward counted as 0": [(reward_set_py, "to_floats", lambda f: _mutated(
         f, ("out.append(math.nan)", "out.append(0.0)")))],
 }
 NAMED_CHECKS = [check_advantages_are_leave_one_out_within_each_prompt, check_missing_reward_is_left_out_of_the_baseline]

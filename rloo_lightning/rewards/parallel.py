@@ -37,6 +37,8 @@ from collections.abc import Mapping
 from multiprocessing.connection import wait
 from typing import Any
 
+from rloo_lightning.rewards.protocol import RewardError, build_reward, invoke
+
 __all__ = ["WorkerPool", "RemoteError", "get_context"]
 
 STARTUP_TIMEOUT = 300.0  # seconds a worker may take to import and build the reward functions
@@ -89,12 +91,10 @@ def _unpack(data: bytes | None, tb: str) -> BaseException:
 def _worker_main(conn, payloads: dict[int, bytes]) -> None:
     """Worker loop: build the functions, say ready, then answer ``(task_id, index, mode, args)``."""
     try:
-        from rloo_lightning.rewards import _resolve, invoke
-
         funcs = {}
         for i, data in payloads.items():
             spec = pickle.loads(data)
-            funcs[i] = _resolve(spec)[1] if isinstance(spec, (str, Mapping)) else spec
+            funcs[i] = build_reward(spec)[1] if isinstance(spec, (str, Mapping)) else spec
         if "torch" in sys.modules:  # N workers on N cores: no oversubscription by intra-op threads
             sys.modules["torch"].set_num_threads(1)
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which raises it
@@ -221,8 +221,6 @@ class WorkerPool:
             raise
 
     def _run(self, tasks, timeout):
-        from rloo_lightning.rewards import RewardError
-
         outcomes: list[tuple[str, Any] | None] = [None] * len(tasks)
         pending = deque(range(len(tasks)))
         while pending or any(w.task is not None for w in self._workers):

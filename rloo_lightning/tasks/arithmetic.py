@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 from rloo_lightning.rewards.builtin import ExactAnswer
+from rloo_lightning.tasks.base import Task
 
 NAMES = ["Mia", "Sam", "Lena", "Omar", "Kai", "Zoe", "Ivan", "Nora", "Ben", "Ada"]
 ITEMS = ["apples", "pencils", "stickers", "marbles", "books", "coins", "cards", "shells"]
@@ -42,7 +43,5 @@ def reward(prompts, completions, completion_ids, answer, **columns) -> list[floa
     """1.0 if the completion's last number equals the answer (compared as numbers), else 0.0."""
     return _EXACT(prompts, completions, completion_ids, answer=answer)
 
-
-from rloo_lightning.tasks import Task  # noqa: E402
 
 TASK = Task(name="arithmetic", make_rows=make_rows, reward=reward, build_tiny_model=None)

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import torch
 
+from rloo_lightning.tasks.base import Task
+from rloo_lightning.tiny_models import build_char_tokenizer, build_tiny_llama
+
 ALPHABET = "abcdefgh"
 SEPARATOR = "="
 MIN_LEN, MAX_LEN = 3, 5
@@ -66,8 +69,6 @@ def best_constant_score(rows: list[dict]) -> tuple[str, float]:
 
 def build_tiny_model(directory: Path) -> None:
     """Tokenizer + tiny Llama, warm-started on shuffled answers, saved to ``directory``."""
-    from rloo_lightning.models import build_char_tokenizer, build_tiny_llama
-
     tok = build_char_tokenizer(ALPHABET + SEPARATOR, model_max_length=32)
     model = build_tiny_llama(tok, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=32,
                              seed=WARM_START_SEED)
@@ -106,7 +107,5 @@ def _completion_nll(model, tok, pairs: list[tuple[str, str]]) -> torch.Tensor:
         attn[i, : len(fi)] = 1
     return model(input_ids=ids, attention_mask=attn, labels=labels).loss
 
-
-from rloo_lightning.tasks import Task  # noqa: E402
 
 TASK = Task(name="reverse", make_rows=make_rows, reward=reward, build_tiny_model=build_tiny_model, version=1)

@@ -1,0 +1,291 @@
+"""The reward-function protocol: errors, resolving specs to callables, and calling them.
+
+What :class:`~rloo_lightning.rewards.reward_set.RewardSet` and the worker processes of
+:mod:`rloo_lightning.rewards.parallel` both need: turning a spec (callable, import path, class
+spec dict) into a callable, deciding from its signature how to call it, calling it, and checking
+the values it returns. The protocol itself is described in :mod:`rloo_lightning.rewards`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "RewardFunction",
+    "RewardSpec",
+    "RewardError",
+    "RewardTimeoutError",
+    "RewardWarning",
+    "resolve_reward",
+    "build_reward",
+    "short_repr",
+    "call_plan",
+    "invoke",
+    "to_floats",
+]
+
+RewardFunction = Callable[..., Sequence[float | None]]
+RewardSpec = str | dict | RewardFunction
+
+_STANDARD_ARGS = ("prompts", "completions", "completion_ids")
+_PROTOCOL = "(prompts, completions, completion_ids, **columns)"
+
+
+class RewardError(ValueError):
+    """A reward function is misconfigured, broke the protocol, or raised."""
+
+
+class RewardTimeoutError(RewardError):
+    """A reward function call ran past ``timeout`` and ``on_error="raise"``."""
+
+
+class RewardWarning(RuntimeWarning):
+    """A reward call failed or timed out and was scored by ``on_error`` instead of raising."""
+
+
+def short_repr(text: Any, limit: int = 200) -> str:
+    """``repr`` of a prompt, cut to ``limit`` characters: error messages stay readable."""
+    r = repr(text)
+    return r if len(r) <= limit else r[: limit - 5] + "...'"
+
+
+# -- resolving specs ---------------------------------------------------------------------------
+def _import_object(path: str, what: str) -> Any:
+    """The object at ``"pkg.module.attr[.attr...]"``: the longest importable module prefix, then attributes."""
+    if not isinstance(path, str) or "." not in path.strip("."):
+        raise RewardError(f"{what} {path!r}: expected an import path 'package.module.name'")
+    parts = path.split(".")
+    errors = []
+    for cut in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            # Only "this very module is missing" means: try a shorter prefix. A missing
+            # dependency *inside* an existing module is the user's real error.
+            if err.name is not None and (module_name == err.name or module_name.startswith(err.name + ".")):
+                errors.append(err)
+                continue
+            raise RewardError(f"{what} {path!r} cannot be imported: {err}") from err
+        except Exception as err:  # the module itself failed while executing
+            raise RewardError(f"{what} {path!r}: importing {module_name!r} failed: {err!r}") from err
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError as err:
+            raise RewardError(f"{what} {path!r} cannot be imported: {err}") from err
+        return obj
+    raise RewardError(f"{what} {path!r} cannot be imported: {errors[-1] if errors else 'no module'}") from (
+        errors[-1] if errors else None
+    )
+
+
+def _instantiate(obj: Any, init_args: Mapping, spec: Any) -> Any:
+    if inspect.isclass(obj):
+        try:
+            return obj(**init_args)
+        except TypeError as err:
+            hint = (
+                "; it needs arguments: give {'class_path': ..., 'init_args': {...}}"
+                if not init_args else ""
+            )
+            raise RewardError(f"reward function {spec!r}: cannot instantiate {obj.__name__}: {err}{hint}") from err
+        except Exception as err:
+            raise RewardError(f"reward function {spec!r}: {obj.__name__}(...) raised {err!r}") from err
+    if init_args:
+        if not callable(obj):
+            raise RewardError(f"reward function {spec!r} is not callable")
+        return functools.partial(obj, **init_args)
+    return obj
+
+
+def _name_of(fn: Any) -> str:
+    if isinstance(fn, functools.partial):
+        return _name_of(fn.func)
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def build_reward(spec: RewardSpec) -> tuple[str, RewardFunction]:
+    """``(name, callable)`` for any accepted spec form, without the signature check of
+    :func:`resolve_reward` (worker processes rebuild already-checked functions with it)."""
+    if isinstance(spec, Mapping):
+        unknown = set(spec) - {"class_path", "init_args", "name"}
+        if "class_path" not in spec or unknown:
+            raise RewardError(
+                f"reward function {dict(spec)!r}: a dict spec has keys 'class_path' (required), 'init_args' "
+                f"and 'name'" + (f"; unknown: {sorted(unknown)}" if unknown else "")
+            )
+        init_args = spec.get("init_args") or {}
+        if not isinstance(init_args, Mapping):
+            raise RewardError(f"reward function {spec['class_path']!r}: init_args must be a mapping, got {init_args!r}")
+        obj = _import_object(spec["class_path"], "reward function")
+        fn = _instantiate(obj, dict(init_args), spec["class_path"])
+        name = spec.get("name") or (obj.__name__ if inspect.isclass(obj) else _name_of(obj))
+        where = spec["class_path"]
+    elif isinstance(spec, str):
+        obj = _import_object(spec, "reward function")
+        fn = _instantiate(obj, {}, spec)
+        name, where = spec.rpartition(".")[2], spec
+    elif callable(spec):
+        return _name_of(spec), spec
+    else:
+        raise RewardError(
+            f"reward function {spec!r}: expected a callable, an import path 'module.attr' or "
+            "{'class_path': ..., 'init_args': {...}}"
+        )
+    if not callable(fn):
+        raise RewardError(f"reward function {where!r} is not callable")
+    return str(name), fn
+
+
+def resolve_reward(spec: RewardSpec) -> tuple[str, RewardFunction]:
+    """``(name, callable)`` for a callable, an import path ``"pkg.module.attr"`` or a class spec dict.
+
+    Raises :class:`RewardError` (a ``ValueError``) naming the spec when it cannot be imported,
+    instantiated, or does not accept the reward protocol's arguments.
+    """
+    name, fn = build_reward(spec)
+    _check_signature(name, fn)
+    return name, fn
+
+
+# -- signatures --------------------------------------------------------------------------------
+def _signature(fn) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins and C callables have none: cannot check
+        return None
+
+
+def _bindable(sig: inspect.Signature, *args, **kwargs) -> bool:
+    try:
+        sig.bind(*args, **kwargs)
+        return True
+    except TypeError:
+        return False
+
+
+def call_plan(name: str, fn: RewardFunction, column_names: Sequence[str],
+              check_required: bool = True) -> tuple[str, tuple[str, ...]]:
+    """How to call ``fn`` given these dataset columns: ``(mode, columns to pass)``.
+
+    ``mode`` is ``"positional"`` (``fn(prompts, completions, completion_ids, **cols)``) or
+    ``"keyword"`` (``fn(prompts=..., completions=..., completion_ids=..., **cols)``, TRL's style).
+    A callable may list the columns it reads in ``required_columns`` (the built-ins do).
+    Raises :class:`RewardError` naming the function when neither binds or a column is missing.
+    """
+    required_columns = getattr(fn, "required_columns", ()) if check_required else ()
+    absent = [c for c in required_columns if c not in column_names]
+    if absent:
+        raise RewardError(
+            f"reward function {name!r} reads column(s) {absent}, which the dataset does not have "
+            f"(columns: {sorted(column_names)})"
+        )
+    sig = _signature(fn)
+    if sig is None:
+        return "positional", tuple(column_names)
+    params = sig.parameters
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    named = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    cols = tuple(c for c in column_names if var_kw or c in named)
+    clash = [c for c in cols if c in _STANDARD_ARGS]
+    if clash:
+        raise RewardError(
+            f"reward function {name!r}: dataset column(s) {clash} clash with the reward arguments "
+            f"{_STANDARD_ARGS}; rename the column(s)"
+        )
+    dummy = {c: None for c in cols}
+    if _bindable(sig, None, None, None, **dummy):
+        return "positional", cols
+    if _bindable(sig, **dict.fromkeys(_STANDARD_ARGS), **dummy):
+        return "keyword", cols
+    # Say what is wrong: required parameters that nothing provides, or too few positionals.
+    required = [
+        n for n, p in params.items()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    positional = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) >= 3:
+        wanted = [n for n in required if n not in positional[:3]]
+    else:
+        wanted = [n for n in required if n not in _STANDARD_ARGS]
+    missing = [n for n in wanted if n not in cols]
+    detail = (
+        f" It requires {missing}, which {'is not a' if len(missing) == 1 else 'are not'} dataset "
+        f"column{'' if len(missing) == 1 else 's'} (columns: {sorted(column_names)})."
+        if missing else ""
+    )
+    raise RewardError(
+        f"reward function {name!r} has signature {name}{sig}: it must accept {_PROTOCOL} "
+        f"(or name the dataset columns it reads as parameters instead of **columns).{detail}"
+    )
+
+
+def _check_signature(name: str, fn: RewardFunction) -> None:
+    """At construction the columns are unknown: assume that every extra required parameter is one."""
+    sig = _signature(fn)
+    if sig is None:
+        return
+    params = list(sig.parameters.values())
+    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    # Called positionally, the first three positional parameters take the standard arguments;
+    # called by keyword (TRL style), the standard names do.
+    as_positional = [p.name for p in required if p not in positional[:3]]
+    as_keyword = [p.name for p in required if p.name not in _STANDARD_ARGS]
+    try:
+        call_plan(name, fn, as_positional, check_required=False)
+    except RewardError as first:
+        try:
+            call_plan(name, fn, as_keyword, check_required=False)
+        except RewardError:
+            raise first from None
+
+
+def invoke(fn: RewardFunction, mode: str, prompts, completions, completion_ids, columns: Mapping) -> list:
+    """Call ``fn`` as :func:`call_plan` decided; the values as a list (not yet checked)."""
+    if mode == "keyword":
+        values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+    else:
+        values = fn(prompts, completions, completion_ids, **columns)
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().reshape(-1).tolist()
+    return list(values)
+
+
+def to_floats(name: str, values: Sequence, prompts: Sequence[str], offset: int = 0,
+              total: int | None = None) -> list[float]:
+    """Check one function's values; ``None`` -> NaN. ``offset`` is the chunk's first completion."""
+    n = len(prompts)
+    if len(values) != n:
+        where = f" (completions {offset}..{offset + n - 1} of {total})" if total is not None and total != n else ""
+        raise RewardError(
+            f"reward function {name!r} returned {len(values)} values for {n} completions{where} "
+            f"(first prompt {short_repr(prompts[0]) if n else None}); it must return one value per completion"
+        )
+    out = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(math.nan)
+            continue
+        try:
+            f = float(v)
+        except (TypeError, ValueError) as err:
+            raise RewardError(
+                f"reward function {name!r} returned {v!r} for completion {offset + i} (prompt "
+                f"{short_repr(prompts[i])}): expected a float or None"
+            ) from err
+        if not math.isfinite(f):
+            raise RewardError(
+                f"reward function {name!r} returned {f} for completion {offset + i} of prompt "
+                f"{short_repr(prompts[i])}; return None to mark a missing reward"
+            )
+        out.append(f)
+    return out

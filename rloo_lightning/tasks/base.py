@@ -1,0 +1,54 @@
+"""The embedded-task record: :class:`Task` (a dataset, a reward and a tiny offline model builder)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rloo_lightning.tiny_models import cache_dir
+
+__all__ = ["Task"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """An embedded task.
+
+    Attributes:
+        name: the name used in ``tiny:<name>`` and ``PromptDataModule(task=...)``.
+        make_rows: ``(n, seed) -> rows``; each row has ``prompt`` and the columns its reward reads.
+        reward: a reward function (see :mod:`rloo_lightning.rewards`).
+        build_tiny_model: ``(directory) -> None``; saves a tokenizer and a warm-started model there
+            (None for tasks meant for real pretrained models).
+        version: bump when the builder changes, so that stale caches are not reused.
+    """
+
+    name: str
+    make_rows: Callable[[int, int], list[dict]]
+    reward: Callable[..., list[float | None]]
+    build_tiny_model: Callable[[Path], None] | None
+    version: int = 1
+
+    def tiny_model_dir(self) -> Path:
+        """Build the tiny model once (atomically: concurrent ranks may race) and return its directory."""
+        if self.build_tiny_model is None:
+            raise ValueError(f"task {self.name!r} has no tiny model: use a real model with it")
+        final = cache_dir() / f"tiny-{self.name}-v{self.version}"
+        if (final / "config.json").exists():
+            return final
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+        try:
+            self.build_tiny_model(tmp)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not (final / "config.json").exists():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return final
