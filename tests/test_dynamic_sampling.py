@@ -78,6 +78,7 @@ def _fit(model_dir, root, reward, max_steps=2, ckpt_path=None, callbacks=(), max
     return module
 
 
+@pytest.mark.slow  # a fit of up to 8 rounds a step (~5 s)
 def test_the_batch_is_made_of_informative_groups(tiny_model_dir, tmp_path):
     seen, metrics = _Seen(), _Metrics()
     _fit(tiny_model_dir, tmp_path, "reward_helpers.coarse_length", max_steps=3, callbacks=[seen, metrics],

@@ -86,6 +86,7 @@ def _fit(model_dir, root, max_steps, ckpt_path=None, **groups):
     return module
 
 
+@pytest.mark.slow  # two fits (~10 s)
 def test_checkpoint_holds_the_adapter_only_and_resume_restores_it(tiny_model_dir, tmp_path):
     module = _fit(tiny_model_dir, tmp_path / "a", 3)
     ckpts = sorted((tmp_path / "a" / "ckpt").glob("*.ckpt"))

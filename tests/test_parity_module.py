@@ -310,6 +310,7 @@ def _fit(model_dir, root, max_steps, ckpt_path=None, callbacks=(), **groups):
     return module
 
 
+@pytest.mark.slow  # fits (~8 s)
 def test_updates_per_rollout_reuses_each_rollout_and_resumes_mid_way(tiny_model_dir, tmp_path):
     record = _Record()
     full = _fit(tiny_model_dir, tmp_path / "full", 4, callbacks=[record],
@@ -327,6 +328,7 @@ def test_updates_per_rollout_reuses_each_rollout_and_resumes_mid_way(tiny_model_
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow  # fits (~8 s)
 def test_ref_sync_mixes_the_policy_into_the_reference_and_is_checkpointed(tiny_model_dir, tmp_path):
     """kl.ref_sync_steps=1: at the start of step 1, ref = alpha * policy_after_step_0 + (1 - alpha) * initial."""
     module = _fit(tiny_model_dir, tmp_path / "a", 2, kl={"beta": 0.1, "ref_sync_steps": 1, "ref_sync_alpha": 0.25})

@@ -267,6 +267,7 @@ SPECS = [
 ]
 
 
+@pytest.mark.slow  # a pool of worker processes
 def test_workers_give_the_serial_result():
     args = batch([f"{i} " * (i % 4) for i in range(10)], answer=[str(i) for i in range(10)])
     serial = RewardSet.from_specs(SPECS, [1.0, 2.0, 3.0, 4.0]).score(*args)
@@ -340,6 +341,7 @@ def test_function_that_cannot_be_built_in_a_worker():
     rs.close()
 
 
+@pytest.mark.slow  # spawned worker processes (~30 s)
 def test_spawn_start_method():
     with RewardSet.from_specs(["reward_helpers.length_reward"], num_workers=1, start_method="spawn") as rs:
         assert rs.score(*batch(["abc"]))[0].tolist() == [3.0]
