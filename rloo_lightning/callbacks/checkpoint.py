@@ -60,7 +60,7 @@ class FinalCheckpoint(Callback):
         )
 
     @staticmethod
-    def dirpath(trainer: Trainer) -> str:
+    def dirpath(trainer: Trainer, broadcast: bool = True) -> str:
         """The first ``ModelCheckpoint``'s folder, else where Lightning's default one would write."""
         for cb in trainer.checkpoint_callbacks:
             if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None:
@@ -72,10 +72,10 @@ class FinalCheckpoint(Callback):
             path = os.path.join(save_dir, str(logger.name), version, "checkpoints")
         else:
             path = os.path.join(trainer.default_root_dir, "checkpoints")
-        return trainer.strategy.broadcast(path)
+        return trainer.strategy.broadcast(path) if broadcast else path  # loggers name versions on rank 0
 
-    def last_path(self, trainer: Trainer) -> str:
-        return os.path.join(self.dirpath(trainer), LAST)
+    def last_path(self, trainer: Trainer, broadcast: bool = True) -> str:
+        return os.path.join(self.dirpath(trainer, broadcast), LAST)
 
     # -- hooks -------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -122,27 +122,38 @@ class FinalCheckpoint(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Resumed at or past max_steps: the fit loop is skipped (no on_train_start/end), nothing trains,
         # and last.ckpt is only brought up to the checkpoint resumed from (a file copy needs no model).
+        # After the teardown: no collective here, rank 0 alone copies.
         if not self._train_started and self._enabled(trainer) and trainer.ckpt_path is not None:
-            self._refresh_after_resume(trainer, self.last_path(trainer), barrier=False)
+            self._refresh_after_resume(trainer, self.last_path(trainer, broadcast=False), collective=False)
 
     # -- how ---------------------------------------------------------------------------------------
     def _save(self, trainer: Trainer) -> None:
         trainer.save_checkpoint(self.last_path(trainer))  # every rank: a collective under DDP / FSDP
         self._saved_step = trainer.global_step
 
-    def _refresh_after_resume(self, trainer: Trainer, target: str, barrier: bool = True) -> None:
-        """Copy the checkpoint resumed from to ``target`` when it is another checkpoint of the same folder."""
+    def _refresh_after_resume(self, trainer: Trainer, target: str, collective: bool = True) -> None:
+        """Copy the checkpoint resumed from to ``target`` when it is another checkpoint of the same folder.
+
+        Decided on global rank 0 (the one that writes checkpoints) and broadcast, so that every rank
+        takes the same branch and meets the barrier after the copy.
+        """
         source = str(trainer.ckpt_path)
         if _same_path(source, target):
             self._saved_step = trainer.global_step  # resumed from last.ckpt itself: it is the newest
             return
-        if not (_is_local(source) and _is_local(target)) or not os.path.exists(source):
+        copy = (
+            _is_local(source)
+            and _is_local(target)
+            and _same_path(os.path.dirname(source), os.path.dirname(target))  # else no stale last.ckpt here
+            and os.path.exists(source)
+        )
+        if collective:
+            copy = trainer.strategy.broadcast(copy)
+        if not copy:
             return
-        if not _same_path(os.path.dirname(source), os.path.dirname(target)):
-            return  # resumed from another folder: no stale last.ckpt here to bring up to date
         if trainer.is_global_zero:
             _atomic_copy(source, target)
-        if barrier:
+        if collective:
             trainer.strategy.barrier("FinalCheckpoint.refresh")
         self._saved_step = trainer.global_step
 
