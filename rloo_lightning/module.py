@@ -13,6 +13,7 @@ from torchmetrics import MeanMetric
 from rloo_lightning import sharding
 from rloo_lightning.advantages import AdvantageEstimator
 from rloo_lightning.callbacks.base import RolloutHook, ValidateAtStart
+from rloo_lightning.callbacks.checkpoint import FinalCheckpoint
 from rloo_lightning.config import (
     AdvantageArgs, DynamicSamplingArgs, KLArgs, PolicyArgs, RewardArgs, SamplingArgs, ShapingArgs, UpdateArgs,
     ValidationArgs, GROUPS, Options, as_group, check_options, renamed_error, to_primitives,
@@ -197,11 +198,8 @@ class RLOOModule(LightningModule):
         self.rewards.close()
 
     def configure_callbacks(self):
-        try:  # TODO(lead): top-level once it lands
-            from rloo_lightning.callbacks.checkpoint import FinalCheckpoint
-            callbacks = [FinalCheckpoint(every_n_steps=self.hparams.checkpoint_every_n_steps)]
-        except ImportError:
-            callbacks = []
+        # A resumable last.ckpt of the final step whatever the validation cadence (never replaces a ModelCheckpoint).
+        callbacks = [FinalCheckpoint(every_n_steps=self.hparams.checkpoint_every_n_steps)]
         return callbacks + ([ValidateAtStart()] if self.cfg.validation.at_start else [])
 
     def configure_optimizers(self):
