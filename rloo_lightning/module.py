@@ -23,7 +23,7 @@ from rloo_lightning.kl import fold_kl, mix_into_reference, reward_to_go, token_r
 from rloo_lightning.logprobs import sequence_logprobs
 from rloo_lightning.losses import PolicyLoss
 from rloo_lightning.metrics import pass_at_k, train_metric_sums
-from rloo_lightning.policy import Frozen, disable_dropout, export_pretrained, lora_config, prepare_policy
+from rloo_lightning.policy import Frozen, disable_dropout, export_pretrained, load_models, lora_config, prepare_policy
 from rloo_lightning.rewards import RewardSet
 from rloo_lightning.rewards.model import RewardModel
 from rloo_lightning.rewards.shaping import shape_rewards
@@ -132,22 +132,12 @@ class RLOOModule(LightningModule):
         """Load policy, tokenizer and (if beta > 0) reference; idempotent (Lightning may call it twice)."""
         if self.policy is not None:
             return
-        from rloo_lightning.models import load_causal_lm, load_tokenizer
-
-        args, strategy = self.cfg.policy, self._strategy
-        load = dict(gguf_file=args.gguf_file, trust_remote_code=args.trust_remote_code)
-        tokenizer = load_tokenizer(self.hparams.model_name_or_path, **load)
-        with sharding.pretrained_init_context(strategy):  # ZeRO-3: loaded into its partitions; else a no-op
-            policy = load_causal_lm(self.hparams.model_name_or_path, **load)
-        reference = None
-        if self.cfg.kl.beta > 0 and not args.lora and sharding.is_zero3(strategy):
-            # ZeRO-3 partitions the policy as it loads, so there the reference is loaded again, whole.
-            with sharding.replicated_init_context(strategy):
-                reference = load_causal_lm(self.hparams.model_name_or_path, **load)
+        policy, tokenizer, reference = load_models(self.hparams.model_name_or_path, self.cfg.policy,
+                                                   self.cfg.kl.beta > 0, self._strategy)
         self.attach(policy, tokenizer, reference)
         for fn in self.rewards.funcs:
             if isinstance(fn, RewardModel):
-                with sharding.replicated_init_context(strategy):  # ZeRO-3: built whole, outside zero.Init
+                with sharding.replicated_init_context(self._strategy):  # ZeRO-3: built whole, not partitioned
                     fn.load()  # a wrong reward model (e.g. several labels) fails before training starts
 
     def attach(self, policy: torch.nn.Module, tokenizer, reference: torch.nn.Module | None = None) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from rloo_lightning.config import PolicyArgs
 
-__all__ = ["Frozen", "lora_config", "prepare_policy", "export_pretrained"]
+__all__ = ["Frozen", "lora_config", "load_models", "prepare_policy", "disable_dropout", "export_pretrained"]
 
 
 class Frozen:
@@ -28,6 +28,26 @@ def lora_config(options: dict):
         return LoraConfig(task_type="CAUSAL_LM", **options)
     except (TypeError, ValueError) as err:
         raise ValueError(f"policy.lora={options!r} is not a valid peft.LoraConfig: {err}") from err
+
+
+def load_models(name_or_path: str, args: PolicyArgs, with_reference: bool, strategy=None):
+    """``(policy, tokenizer, reference or None)`` loaded from ``name_or_path``.
+
+    The reference is loaded here only under DeepSpeed ZeRO-3, which partitions the policy as it loads;
+    elsewhere it is a copy of the policy made by the module (a GGUF load dequantizes: copying is cheaper).
+    """
+    from rloo_lightning import sharding
+    from rloo_lightning.models import load_causal_lm, load_tokenizer
+
+    load = dict(gguf_file=args.gguf_file, trust_remote_code=args.trust_remote_code)
+    tokenizer = load_tokenizer(name_or_path, **load)
+    with sharding.pretrained_init_context(strategy):  # ZeRO-3: loaded into its partitions; else a no-op
+        policy = load_causal_lm(name_or_path, **load)
+    reference = None
+    if with_reference and not args.lora and sharding.is_zero3(strategy):
+        with sharding.replicated_init_context(strategy):
+            reference = load_causal_lm(name_or_path, **load)
+    return policy, tokenizer, reference
 
 
 def prepare_policy(policy: torch.nn.Module, args: PolicyArgs) -> torch.nn.Module:
