@@ -279,3 +279,23 @@ def test_cli_callbacks_config_keeps_its_model_checkpoint_files(tmp_path, tiny_mo
     steps = sorted(s for name, s in listing.items() if name != "last.ckpt")
     assert len(steps) == 2 and set(steps) <= {2, 4}, listing  # validation at steps 2 and 4: the top 2 of them
     assert listing["last.ckpt"] == 5, listing  # and the last step, which no validation followed
+
+
+@pytest.mark.slow
+def test_cli_ddp_resume_from_a_step_file_refreshes_last_ckpt_on_every_rank(tmp_path, tiny_model_dir, _cache_dir):
+    """Under DDP (2 CPU ranks): the copy on resume is rank 0's and every rank meets the barrier (no hang);
+    ModelCheckpoint(save_last) goes on writing last.ckpt, not last-v1.ckpt."""
+    ck = tmp_path / "ck"
+    every_step = ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+                  f"--trainer.callbacks.dirpath={ck}", "--trainer.callbacks.every_n_train_steps=1",
+                  "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.save_last=true"]
+    ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--data.num_train_rows", "32", *every_step]
+    env = make_env(_cache_dir)
+    run_cli("first", _cli_args(tmp_path, tiny_model_dir, 3, *ddp), tmp_path, env, timeout=300)
+    assert _listing(ck)["last.ckpt"] == 3
+    start = ck / "epoch=0-step=2.ckpt"
+    resumed = run_cli("resumed", _cli_args(tmp_path, tiny_model_dir, 4, *ddp, "--ckpt_path", start), tmp_path, env,
+                      timeout=300)
+    listing = _listing(ck)
+    assert not [name for name in listing if name.startswith("last-")], listing
+    assert listing["last.ckpt"] == 4 == max(listing.values()), (listing, resumed.explain())
