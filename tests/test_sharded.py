@@ -125,6 +125,7 @@ def _ok(runs, name: str) -> Proc:
 # ---------------------------------------------------------------------------------------------------------------
 # FSDP2 through the CLI: fit, sharded checkpoints, resume
 # ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # the `runs` fixture: distributed subprocesses
 def test_fsdp2_cli_fit_shards_the_policy_and_writes_sharded_checkpoints(runs):
     a = _ok(runs, "a")
     log = a.log
@@ -141,6 +142,7 @@ def test_fsdp2_cli_fit_shards_the_policy_and_writes_sharded_checkpoints(runs):
     assert torch.load(last / "meta.pt", map_location="cpu", weights_only=False)["global_step"] == STEPS
 
 
+@pytest.mark.slow  # the `runs` fixture: distributed subprocesses
 def test_fsdp2_checkpoint_holds_the_whole_policy_and_no_reference(runs, tmp_path, tiny_model_dir):
     _ok(runs, "a")
     state = _dcp_to_dict(_ckpt(runs["root"] / "a", STEPS), tmp_path)["state_dict"]
@@ -156,6 +158,7 @@ def test_fsdp2_checkpoint_holds_the_whole_policy_and_no_reference(runs, tmp_path
     assert not [k for k in state if "ref" in k.split(".")[0]], sorted(state)[:10]  # no reference copy
 
 
+@pytest.mark.slow  # the `runs` fixture: distributed subprocesses
 def test_fsdp2_hf_export_writes_the_gathered_policy(runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -166,6 +169,7 @@ def test_fsdp2_hf_export_writes_the_gathered_policy(runs, tmp_path):
         torch.testing.assert_close(value, state[f"policy.{name}"], msg=name)
 
 
+@pytest.mark.slow  # the `runs` fixture: distributed subprocesses
 def test_fsdp2_resume_from_a_sharded_checkpoint_matches_the_uninterrupted_run(runs, tmp_path):
     """B resumes from A's sharded step-2 checkpoint and runs to step 4: weights and optimizer state equal A's."""
     _ok(runs, "a")
@@ -198,6 +202,7 @@ def _probe(runs, name: str) -> list[dict]:
     return [json.loads((p.cwd / "out" / f"probe_rank{r}.json").read_text()) for r in (0, 1)]
 
 
+@pytest.mark.slow  # the `runs` fixture: distributed subprocesses
 @pytest.mark.parametrize("name", ["helper_fsdp2", "helper_fsdp1"])
 def test_generation_with_different_lengths_per_rank_issues_no_collective(runs, name):
     r0, r1 = _probe(runs, name)
@@ -219,6 +224,7 @@ def test_generation_with_different_lengths_per_rank_issues_no_collective(runs, n
 # ---------------------------------------------------------------------------------------------------------------
 # one update under FSDP2 == the DDP update, on the same injected rollout
 # ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # the `runs` fixture: distributed subprocesses
 @pytest.mark.parametrize("run", ["helper_fsdp2", "helper_fsdp2_micro"])
 def test_fsdp2_gradients_and_update_equal_ddp_on_a_fixed_rollout(runs, run):
     fsdp2, ddp = _ok(runs, run).cwd / "out", _ok(runs, "helper_ddp").cwd / "out"
