@@ -286,6 +286,7 @@ def test_workers_give_the_serial_result():
     assert rs._pool is None and not any(p.is_alive() for p in procs)
 
 
+@pytest.mark.slow  # worker processes and a 1 s timeout to wait out (5-7 s)
 def test_timeout_scores_and_warns_without_waiting():
     rs = RewardSet.from_specs(["reward_helpers.sleepy", "reward_helpers.length_reward"], timeout=1.0,
                               num_workers=2, chunk_size=1, on_error="none")
