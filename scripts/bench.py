@@ -12,7 +12,7 @@ interleaved a b c a b c ... (one round per seed):
     logging, metrics, validation before training and checkpoint), overriding only the model, the sizes
     (``data.batch_size`` prompts, ``model.sampling.k``, ``model.sampling.max_new_tokens``), the steps and the
     seeds, plus the per-size overrides listed in ``SIZES`` (below). Steps are timed by
-    :class:`rloo_lightning.timing.StepTimer` (``on_train_batch_start`` -> ``on_train_batch_end``), which
+    :class:`rloo_lightning.callbacks.step_timer.StepTimer` (``on_train_batch_start`` -> ``on_train_batch_end``), which
     also gives the split: backward, optimizer, and the module's phase timers when it has them
     (``--model.time_phases true`` is passed if RLOOModule accepts it; ``--no-phases`` turns that off).
 (b) TRL ``RLOOTrainer`` (scripts/bench_trl.py), configured as the issue says.
@@ -108,7 +108,8 @@ def run_a(spec_path: str, out_path: str) -> None:
             "--trainer.max_steps", str(spec["total_steps"]),
             "--seed_everything", s, "--model.sampling.seed", s, "--data.seed", s,
             "--trainer.default_root_dir", str(work),
-            "--trainer.callbacks+=rloo_lightning.timing.StepTimer", f"--trainer.callbacks.path={steps_file}"]
+            "--trainer.callbacks+=rloo_lightning.callbacks.step_timer.StepTimer",
+            f"--trainer.callbacks.path={steps_file}"]
     if spec.get("a_gguf_file"):
         args += ["--model.policy.gguf_file", spec["a_gguf_file"]]
     override = spec.get("override", {})
