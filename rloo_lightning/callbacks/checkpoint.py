@@ -128,7 +128,8 @@ class FinalCheckpoint(Callback):
 
     # -- how ---------------------------------------------------------------------------------------
     def _save(self, trainer: Trainer) -> None:
-        trainer.save_checkpoint(self.last_path(trainer))  # every rank: a collective under DDP / FSDP
+        # Every rank: a collective under DDP / FSDP. A full checkpoint (optimizer, loops, callbacks): resumable.
+        trainer.save_checkpoint(self.last_path(trainer), weights_only=False)
         self._saved_step = trainer.global_step
 
     def _refresh_after_resume(self, trainer: Trainer, target: str, collective: bool = True) -> None:
