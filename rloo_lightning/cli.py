@@ -50,6 +50,12 @@ def _renamed_options(args: list[str]) -> list[str]:
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``rloo-lightning`` and ``python -m rloo_lightning``."""
+    # Reward functions and class_path values in the working directory (myreward.py next to the
+    # data) are importable; appended, so a user's datasets.py cannot shadow a dependency. DDP ranks
+    # re-run this command, so they get it too; reward workers get the parent's directory.
+    from rloo_lightning.importpath import add_cwd_to_sys_path
+
+    add_cwd_to_sys_path()
     renamed = _renamed_options(sys.argv[1:] if args is None else args)
     if renamed:
         lines = "\n".join(f"  model.{name} -> model.{RENAMED[name]}" for name in renamed)

@@ -12,6 +12,8 @@ live in :mod:`rloo_lightning.tiny_models` and are re-exported here.
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
 from pathlib import Path
 
 import torch
@@ -35,8 +37,46 @@ __all__ = [
 ]
 
 
+# What the hub accepts as a repo id: ``name`` or ``org/name``.
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)?")
+
+
+def _check_local(name_or_path: str) -> None:
+    """A path that cannot be a model, said in one line before transformers mistakes it for a hub id.
+
+    Raises ``ValueError`` for an existing file, or for a name that is not on disk and cannot be a hub
+    id (``./x``, ``/x``, ``~/x``, ``a/b/c``). Hub ids (``org/name``, not on disk) are left to the hub.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        hint = " (a GGUF file: give its folder and model.policy.gguf_file)" if path.suffix == ".gguf" else ""
+        raise ValueError(f"model_name_or_path {name_or_path!r} is a file, not a model directory (a folder with "
+                         f"config.json, or a hub id){hint}")
+    if path.exists():
+        return
+    local = (name_or_path.startswith(("./", "../", "/", "~", ".\\")) or os.path.isabs(name_or_path)
+             or "\\" in name_or_path or not _HUB_ID.fullmatch(name_or_path))
+    if local:
+        raise ValueError(f"model_name_or_path {name_or_path!r}: no such directory (working directory "
+                         f"{os.getcwd()})")
+
+
+def _check_model_dir(name_or_path: str, path: str, gguf_file: str | None, what: str, files: tuple[str, ...]) -> None:
+    """A local directory without ``files`` (and no ``gguf_file``) is not a model: say so in one line."""
+    folder = Path(path)
+    if gguf_file or not folder.is_dir():
+        return
+    if not any((folder / f).is_file() for f in files):
+        raise ValueError(f"model_name_or_path {name_or_path!r}: the directory has no {' or '.join(files)}, so it "
+                         f"is not a saved {what} (a folder written by save_pretrained, or a GGUF file in it with "
+                         "model.policy.gguf_file)")
+
+
 def resolve_model_path(name_or_path: str) -> str:
-    """Map ``tiny:<task>`` and ``pkg:<package>`` to directories; return other names unchanged."""
+    """Map ``tiny:<task>`` and ``pkg:<package>`` to directories; return other names unchanged.
+
+    Raises ``ValueError`` in one line for a local path that does not exist or is a file.
+    """
     if name_or_path.startswith(PACKAGE_PREFIX):
         package = name_or_path[len(PACKAGE_PREFIX) :]
         spec = importlib.util.find_spec(package)
@@ -44,6 +84,7 @@ def resolve_model_path(name_or_path: str) -> str:
             raise ValueError(f"model {name_or_path!r}: Python package {package!r} is not installed")
         return str(Path(spec.origin).parent)
     if not name_or_path.startswith(TINY_PREFIX):
+        _check_local(name_or_path)
         return name_or_path
     return str(get_task(name_or_path[len(TINY_PREFIX) :]).tiny_model_dir())
 
@@ -56,9 +97,10 @@ def load_tokenizer(
     A tokenizer without a pad token gets ``pad = eos``; completion masks never rely on pad ids
     (see :func:`rloo_lightning.logprobs.completion_mask`), so this is safe.
     """
-    tok = AutoTokenizer.from_pretrained(
-        resolve_model_path(name_or_path), trust_remote_code=trust_remote_code, **_gguf(gguf_file)
-    )
+    path = resolve_model_path(name_or_path)
+    _check_model_dir(name_or_path, path, gguf_file, "model or tokenizer",
+                     ("config.json", "tokenizer_config.json", "tokenizer.json"))
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **_gguf(gguf_file))
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer of {name_or_path!r} has no eos_token: completions could never end")
     if tok.pad_token_id is None:
@@ -81,8 +123,10 @@ def load_causal_lm(
 
     A GGUF file is dequantized to ``dtype`` (transformers needs the ``gguf`` and ``accelerate`` packages).
     """
+    path = resolve_model_path(name_or_path)
+    _check_model_dir(name_or_path, path, gguf_file, "model", ("config.json",))
     return AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(name_or_path),
+        path,
         dtype=dtype if dtype is not None else torch.float32,
         trust_remote_code=trust_remote_code,
         **_gguf(gguf_file),
@@ -91,8 +135,9 @@ def load_causal_lm(
 
 def context_length(name_or_path: str, gguf_file: str | None = None, trust_remote_code: bool = False) -> int | None:
     """The model's maximum sequence length from its config (``max_position_embeddings``), if any."""
-    cfg = AutoConfig.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code,
-                                     **_gguf(gguf_file))
+    path = resolve_model_path(name_or_path)
+    _check_model_dir(name_or_path, path, gguf_file, "model", ("config.json",))
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **_gguf(gguf_file))
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = cfg.to_dict().get(key)

@@ -11,7 +11,8 @@ can hang on one pathological completion. :class:`WorkerPool` runs them in separa
 * each worker rebuilds the reward functions from their specs (import path / class spec) or
   unpickles them (a function defined at the top level of an importable module), so a function
   must be importable in a fresh interpreter. The parent's ``sys.path`` (as it was when the
-  first pool started, for ``forkserver``) is carried over;
+  first pool started, for ``forkserver``) is carried over, and the parent's working directory
+  is appended to it (a ``myreward.py`` next to the data is importable, as in the CLI);
 * one call (one function on one chunk of completions) that runs past ``timeout`` gets its worker
   killed (SIGTERM, then SIGKILL) and replaced; the caller gets ``"timeout"`` for that call and
   never waits longer. A worker that dies is replaced the same way. ``multiprocessing.Pool``
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing
+import os
 import pickle
 import sys
 import time
@@ -88,9 +90,16 @@ def _unpack(data: bytes | None, tb: str) -> BaseException:
     return RemoteError(last)
 
 
-def _worker_main(conn, payloads: dict[int, bytes]) -> None:
-    """Worker loop: build the functions, say ready, then answer ``(task_id, index, mode, args)``."""
+def _worker_main(conn, payloads: dict[int, bytes], cwd: str | None = None) -> None:
+    """Worker loop: build the functions, say ready, then answer ``(task_id, index, mode, args)``.
+
+    ``cwd``: the parent's working directory, appended to ``sys.path`` before the functions are built.
+    """
     try:
+        if cwd is not None:
+            from rloo_lightning.importpath import add_cwd_to_sys_path
+
+            add_cwd_to_sys_path(cwd, warn=False)  # the parent warned already
         funcs = {}
         for i, data in payloads.items():
             spec = pickle.loads(data)
@@ -195,7 +204,7 @@ class WorkerPool:
 
     def _start(self) -> _Worker:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=_worker_main, args=(child_conn, self._payloads),
+        proc = self._ctx.Process(target=_worker_main, args=(child_conn, self._payloads, os.getcwd()),
                                  name="rloo-reward-worker", daemon=False)
         proc.start()
         child_conn.close()  # so that the worker's death is EOF here

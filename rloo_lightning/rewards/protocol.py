@@ -12,6 +12,7 @@ import functools
 import importlib
 import inspect
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -47,7 +48,8 @@ class RewardTimeoutError(RewardError):
 
 
 class RewardWarning(RuntimeWarning):
-    """A reward call failed or timed out and was scored by ``on_error`` instead of raising."""
+    """A reward call failed or timed out and was scored by ``on_error`` instead of raising, or a function
+    gave no reward (None) for every completion of a call (no learning signal)."""
 
 
 def short_repr(text: Any, limit: int = 200) -> str:
@@ -82,9 +84,12 @@ def _import_object(path: str, what: str) -> Any:
         except AttributeError as err:
             raise RewardError(f"{what} {path!r} cannot be imported: {err}") from err
         return obj
-    raise RewardError(f"{what} {path!r} cannot be imported: {errors[-1] if errors else 'no module'}") from (
-        errors[-1] if errors else None
-    )
+    missing = errors[-1].name if errors else parts[0]
+    raise RewardError(
+        f"{what} {path!r} cannot be imported: no module named {missing!r} (searched the working directory "
+        f"{os.getcwd()}, PYTHONPATH and the installed packages; run from the folder that holds {missing}.py "
+        "or add its folder to PYTHONPATH)"
+    ) from None
 
 
 def _instantiate(obj: Any, init_args: Mapping, spec: Any) -> Any:

@@ -87,6 +87,8 @@ class RewardSet:
     start_method: str | None = None
     _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _pool: Any = field(default=None, init=False, repr=False, compare=False)
+    _warned_no_reward: set = field(default_factory=set, init=False, repr=False, compare=False)
+    _scored_by_on_error: set = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.timeout is not None and not self.timeout > 0:
@@ -185,6 +187,7 @@ class RewardSet:
         # Every signature is checked against the columns before any function runs.
         plans = [self.plan(i, list(columns)) for i in range(len(self.funcs))]
         values: list[list[float] | None] = [None] * len(self.funcs)
+        self._scored_by_on_error.clear()
 
         remote = [i for i, r in enumerate(self._remote) if r]
         if remote and n:
@@ -202,6 +205,17 @@ class RewardSet:
                 continue
             values[i] = to_floats(self.names[i], raw, prompts)
 
+        for i, (name, v) in enumerate(zip(self.names, values)):
+            # (a call that raised or timed out and was scored by on_error has warned already)
+            if (n and name not in self._warned_no_reward and i not in self._scored_by_on_error
+                    and all(math.isnan(x) for x in v)):
+                self._warned_no_reward.add(name)
+                warnings.warn(
+                    f"reward function {name!r} gave no reward (None) for every one of the {n} completions of "
+                    "this call: with no valid value there is no learning signal (reward 0, val/reward NaN); "
+                    "it should return a float per completion, None only where a completion cannot be scored",
+                    RewardWarning, stacklevel=2,
+                )
         per_func = {name: torch.tensor(v, dtype=torch.float32) for name, v in zip(self.names, values)}
         if per_func:
             total = sum(w * per_func[name] for name, w in zip(self.names, self.weights))
@@ -224,6 +238,7 @@ class RewardSet:
             if tb:
                 msg += f"\nworker traceback:\n{tb}"
         action, value = self._on_error
+        self._scored_by_on_error.add(i)
         if action == "raise":
             exc = RewardTimeoutError(msg + "; set on_error to 'none' or a float to score it instead") if how == \
                 "timeout" else RewardError(msg)
