@@ -10,12 +10,15 @@ from typing import Literal
 
 import torch
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from rloo_lightning.models import context_length, load_tokenizer
 
 __all__ = ["PromptDataModule", "ResumableSampler", "collate_prompts", "read_rows"]
+
+SMALL_VALIDATION = 8  # fewer validation prompts than this: a warning (val/reward is too noisy to compare)
+DEFAULT_VAL_SIZE, DEFAULT_TRAIN_ROWS, DEFAULT_VAL_ROWS = 0.1, 4000, 200
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 
@@ -98,6 +101,7 @@ class PromptDataModule(LightningDataModule):
         train_file: a local file (.jsonl, .json, .csv, .parquet, .arrow), a folder of them, or a
             ``datasets.load_dataset`` name (hub or local script).
         val_file: held-out prompts (same forms); without it, ``val_size`` rows are held out.
+            Setup logs both split sizes and where they came from.
         dataset_config: the dataset configuration name for ``load_dataset``.
         train_split, val_split: splits to read from a dataset name.
         prompt_column: the column holding the prompt (string or messages list).
@@ -109,10 +113,15 @@ class PromptDataModule(LightningDataModule):
             ``max_new_tokens``). A longer prompt is handled by ``on_long_prompt``.
         on_long_prompt: ``error`` (stop before training, naming the row) or ``drop`` (skip it,
             counting the drops in the log).
-        batch_size: prompts per rollout per device (each sampled k times).
+        batch_size: prompts per rollout per device (each sampled k times). Every training batch
+            is full: the rows that do not fill the last one are skipped each epoch (a warning
+            says how many).
         val_batch_size: prompts per validation batch (default: ``batch_size``).
-        val_size: held-out fraction (< 1) or count (>= 1) when there is no ``val_file``.
-        num_train_rows, num_val_rows: sizes of an embedded task's generated splits.
+        val_size: held-out fraction (< 1) or count (>= 1) when there is no ``val_file`` (default 0.1).
+            Fewer than 8 validation prompts give a warning.
+        num_train_rows, num_val_rows: sizes of an embedded task's generated splits (default 4000
+            and 200). Options that the source ignores (these with ``train_file``, ``val_size``
+            with ``val_file`` or a task) give a warning.
         seed: seeds the task's generation, the split and the shuffling.
         max_new_tokens: completion budget (linked from the module).
         repeat_batches: yield each training batch this many times in a row (linked from the
@@ -137,9 +146,9 @@ class PromptDataModule(LightningDataModule):
         on_long_prompt: Literal["error", "drop"] = "error",
         batch_size: int = 8,
         val_batch_size: int | None = None,
-        val_size: float = 0.1,
-        num_train_rows: int = 4000,
-        num_val_rows: int = 200,
+        val_size: float | None = None,
+        num_train_rows: int | None = None,
+        num_val_rows: int | None = None,
         seed: int = 0,
         max_new_tokens: int = 0,
         repeat_batches: int = 1,
@@ -159,10 +168,29 @@ class PromptDataModule(LightningDataModule):
         if max_prompt_length is not None and max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
         self.save_hyperparameters()
+        self._warn_ignored_options()
+        self._warned_incomplete_batch = False
         self.tokenizer = None
         self.train_rows: list[dict] = []
         self.val_rows: list[dict] = []
         self.dropped: dict[str, int] = {}
+
+    def _warn_ignored_options(self) -> None:
+        """Options given that the chosen source does not use: a warning naming each (they are not silent)."""
+        hp = self.hparams
+        if hp.task is not None:
+            ignored = {"val_file": hp.val_file, "val_size": hp.val_size, "dataset_config": hp.dataset_config}
+            why = f"task={hp.task!r} generates its own splits (sized by num_train_rows / num_val_rows)"
+        else:
+            ignored = {"num_train_rows": hp.num_train_rows, "num_val_rows": hp.num_val_rows}
+            why = "they size an embedded task's splits, and train_file is given"
+            if hp.val_file is not None and hp.val_size is not None:
+                rank_zero_warn(f"PromptDataModule: val_size={hp.val_size} is ignored: val_file={hp.val_file!r} "
+                               "gives the validation prompts")
+        given = {name: value for name, value in ignored.items() if value is not None}
+        if given:
+            listed = ", ".join(f"{name}={value!r}" for name, value in given.items())
+            rank_zero_warn(f"PromptDataModule: {listed} ignored: {why}")
 
     # -- loading -------------------------------------------------------------------------------
     def _load_rows(self) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]], str]:
@@ -171,21 +199,48 @@ class PromptDataModule(LightningDataModule):
             from rloo_lightning.tasks import get_task
 
             make_rows = get_task(hp.task).make_rows
-            train = make_rows(hp.num_train_rows, hp.seed)
+            n_train = DEFAULT_TRAIN_ROWS if hp.num_train_rows is None else hp.num_train_rows
+            n_val = DEFAULT_VAL_ROWS if hp.num_val_rows is None else hp.num_val_rows
+            train = make_rows(n_train, hp.seed)
             held = {r[hp.prompt_column] for r in train}
             # Held-out means held out: drop validation prompts that also occur in training.
-            val = [r for r in make_rows(hp.num_val_rows, hp.seed + 1) if r[hp.prompt_column] not in held]
+            val = [r for r in make_rows(n_val, hp.seed + 1) if r[hp.prompt_column] not in held]
+            overlap = f", {n_val - len(val)} also in training removed" if len(val) < n_val else ""
+            self._split_origin = (f"from task {hp.task!r}", f"from task {hp.task!r} (num_val_rows={n_val}{overlap})")
             return ([(f"task {hp.task} train row {i}", r) for i, r in enumerate(train)],
                     [(f"task {hp.task} validation row {i}", r) for i, r in enumerate(val)], f"task {hp.task!r}")
         train = read_rows(hp.train_file, hp.train_split, hp.dataset_config)
         if hp.val_file is not None:
+            self._split_origin = (f"from {hp.train_file}", f"from val_file {hp.val_file}")
             return train, read_rows(hp.val_file, hp.val_split, hp.dataset_config), hp.train_file
         order = list(range(len(train)))
         random.Random(hp.seed).shuffle(order)
-        n_val = int(round(hp.val_size * len(train))) if hp.val_size < 1 else int(hp.val_size)
+        val_size = DEFAULT_VAL_SIZE if hp.val_size is None else hp.val_size
+        n_val = int(round(val_size * len(train))) if val_size < 1 else int(val_size)
         val_idx = set(order[:n_val])
+        self._split_origin = (f"from {hp.train_file}", f"held out of the {len(train)} rows of {hp.train_file} "
+                                             f"(val_size={val_size})")
         return ([r for i, r in enumerate(train) if i not in val_idx],
                 [r for i, r in enumerate(train) if i in val_idx], hp.train_file)
+
+    def _report_split(self) -> None:
+        """One info line with both split sizes and their origin; a warning if validation is very small."""
+        hp = self.hparams
+        train_from, val_from = self._split_origin
+        rank_zero_info(f"PromptDataModule: {len(self.train_rows)} training prompts {train_from}, "
+                       f"{len(self.val_rows)} validation prompts {val_from}")
+        n_val = len(self.val_rows)
+        deliberate_empty = n_val == 0 and hp.val_file is None and hp.task is None and hp.val_size == 0
+        if n_val < SMALL_VALIDATION and not deliberate_empty:
+            if hp.task is not None:
+                knob = "raise num_val_rows"
+            elif hp.val_file is not None:
+                knob = f"add prompts to val_file {hp.val_file}"
+            else:
+                val_size = DEFAULT_VAL_SIZE if hp.val_size is None else hp.val_size
+                knob = f"val_size={val_size} gives {n_val}; raise val_size (a fraction < 1 or a count >= 1)"
+            rank_zero_warn(f"PromptDataModule: the validation split has only {n_val} prompts (fewer than "
+                           f"{SMALL_VALIDATION}): val/ metrics will be too noisy to compare; {knob}")
 
     def setup(self, stage: str | None = None) -> None:
         if self.tokenizer is not None:
@@ -207,6 +262,7 @@ class PromptDataModule(LightningDataModule):
             self.max_prompt_tokens = min(room, hp.max_prompt_length or room)
         self.train_rows = self._tokenize(train, "train")
         self.val_rows = self._tokenize(val, "validation")
+        self._report_split()
         if len(self.train_rows) < hp.batch_size:
             dropped = f" after dropping {self.dropped['train']} long prompts" if "train" in self.dropped else ""
             raise ValueError(f"{source}: the training set has {len(self.train_rows)} rows{dropped}, fewer than "
@@ -289,8 +345,24 @@ class PromptDataModule(LightningDataModule):
                                    batch_size=hp.batch_size, repeat=hp.repeat_batches,
                                    position=self._consumed_batches if trainer is not None else None)
         # drop_last: every rollout has batch_size prompts, so steps are alike.
+        self._warn_incomplete_batch(sampler, world)
         return DataLoader(self.train_rows, batch_size=hp.batch_size, sampler=sampler, drop_last=True,
                           collate_fn=self._collate())
+
+    def _warn_incomplete_batch(self, sampler: ResumableSampler, world: int) -> None:
+        """Once: how many training rows each epoch skips because they do not fill a batch (drop_last)."""
+        if self._warned_incomplete_batch:
+            return
+        self._warned_incomplete_batch = True
+        hp, n = self.hparams, len(self.train_rows)
+        used = world * (sampler.num_samples // hp.batch_size) * hp.batch_size
+        if used == n:
+            return
+        per = f"batch_size={hp.batch_size}" + (f" x {world} devices" if world > 1 else "")
+        rank_zero_warn(f"PromptDataModule: {n - used} of the {n} training prompts are skipped each epoch (a "
+                       f"different {n - used} each epoch, by the shuffle): every batch is full ({per}), so the "
+                       f"rows that do not fill the last one are dropped. Choose a batch_size"
+                       + (" x devices" if world > 1 else "") + f" that divides {n} to use every row.")
 
     def sample_batch(self, num_prompts: int, seed: int) -> dict:
         """``num_prompts`` training prompts drawn without replacement by a generator seeded with ``seed``.

@@ -305,3 +305,146 @@ def test_reward_wrong_count_through_the_module_by_import_path(tiny_model_dir):
 def test_reward_weights_length_mismatch_raises():
     with pytest.raises(ValueError, match=r"rewards\.weights has 2 values for 1 rewards\.funcs"):
         RLOOModule(model_name_or_path="unused", rewards={"funcs": [REWARD], "weights": [1.0, 2.0]})
+
+
+# ---------------------------------------------------------------------------------------------
+# what the data module says about its splits: sizes, ignored options, skipped rows, small validation
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def info_lines():
+    """Messages of ``rank_zero_info`` (the ``lightning.pytorch`` logger does not propagate to caplog's root)."""
+    import logging
+
+    lines = []
+    handler = logging.Handler(level=logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("lightning.pytorch")
+    logger.addHandler(handler)
+    yield lines
+    logger.removeHandler(handler)
+
+
+def _messages(record) -> list[str]:
+    return [str(w.message) for w in record]
+
+
+def _split_line(lines) -> str:
+    found = [line for line in lines if "training prompts from" in line]
+    assert len(found) == 1, lines
+    return found[0]
+
+
+def test_setup_logs_split_sizes_from_val_size(tiny_model_dir, tmp_path, info_lines):
+    path = _write_jsonl(tmp_path / "train.jsonl", _rows(40))
+    dm = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, train_file=path, val_size=0.25, batch_size=5)
+    dm.setup("fit")
+    line = _split_line(info_lines)
+    assert "30 training prompts" in line and "10 validation prompts" in line
+    assert "held out of the 40 rows" in line and "val_size=0.25" in line and path in line
+
+
+def test_setup_logs_split_sizes_from_default_val_size(tiny_model_dir, tmp_path, info_lines):
+    path = _write_jsonl(tmp_path / "train.jsonl", _rows(80))
+    dm = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, train_file=path, batch_size=8)
+    dm.setup("fit")
+    line = _split_line(info_lines)
+    assert "72 training prompts" in line and "8 validation prompts" in line and "val_size=0.1" in line
+
+
+def test_setup_logs_split_sizes_from_val_file(tiny_model_dir, tmp_path, info_lines):
+    train = _write_jsonl(tmp_path / "train.jsonl", _rows(8))
+    val = _write_jsonl(tmp_path / "val.jsonl", _rows(8, start=20))
+    dm = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, train_file=train, val_file=val, batch_size=4)
+    dm.setup("fit")
+    line = _split_line(info_lines)
+    assert "8 training prompts" in line and f"8 validation prompts from val_file {val}" in line
+
+
+def test_setup_logs_split_sizes_from_task(tiny_model_dir, info_lines):
+    dm = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, task="reverse", batch_size=4,
+                          num_train_rows=40, num_val_rows=12)
+    dm.setup("fit")
+    line = _split_line(info_lines)
+    assert "40 training prompts from task 'reverse'" in line
+    assert f"{len(dm.val_rows)} validation prompts from task 'reverse' (num_val_rows=12" in line
+
+
+def test_task_only_options_with_train_file_warn(tiny_model_dir, tmp_path):
+    path = _write_jsonl(tmp_path / "train.jsonl", _rows(16))
+    with pytest.warns(UserWarning, match=r"num_train_rows=100, num_val_rows=5 ignored") as record:
+        PromptDataModule(tokenizer_name_or_path=tiny_model_dir, train_file=path, num_train_rows=100,
+                         num_val_rows=5)
+    assert len([m for m in _messages(record) if "ignored" in m]) == 1
+
+
+def test_val_size_with_val_file_warns(tiny_model_dir, tmp_path):
+    path = _write_jsonl(tmp_path / "train.jsonl", _rows(16))
+    with pytest.warns(UserWarning, match=r"val_size=0.2 is ignored: val_file="):
+        PromptDataModule(tokenizer_name_or_path=tiny_model_dir, train_file=path, val_file=path, val_size=0.2)
+
+
+def test_file_options_with_task_warn(tiny_model_dir):
+    with pytest.warns(UserWarning, match=r"val_size=0.3.*ignored: task='reverse'"):
+        PromptDataModule(tokenizer_name_or_path=tiny_model_dir, task="reverse", val_size=0.3)
+
+
+def test_no_ignored_option_warning_by_default(tiny_model_dir, tmp_path, recwarn):
+    path = _write_jsonl(tmp_path / "train.jsonl", _rows(16))
+    PromptDataModule(tokenizer_name_or_path=tiny_model_dir, train_file=path, val_file=path)
+    PromptDataModule(tokenizer_name_or_path=tiny_model_dir, train_file=path, val_size=0.5)
+    PromptDataModule(tokenizer_name_or_path=tiny_model_dir, task="reverse", num_train_rows=8, num_val_rows=8)
+    assert not [m for m in _messages(recwarn) if "ignored" in m]
+
+
+def test_rows_that_do_not_fill_a_batch_warn_once_with_the_count(tiny_model_dir, tmp_path):
+    path = _write_jsonl(tmp_path / "train.jsonl", _rows(10))
+    dm = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, train_file=path, val_file=path, batch_size=4)
+    dm.setup("fit")
+    with pytest.warns(UserWarning, match=r"2 of the 10 training prompts are skipped each epoch") as record:
+        loader = dm.train_dataloader()
+    assert any("batch_size=4" in m and "divides 10" in m for m in _messages(record))
+    # the loader really leaves them out: two full batches, 8 distinct prompts
+    batches = list(loader)
+    assert [len(b["prompt"]) for b in batches] == [4, 4]
+    assert len({p for b in batches for p in b["prompt"]}) == 8
+    import warnings
+
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        dm.train_dataloader()
+    assert not [m for m in _messages(again) if "skipped each epoch" in m]  # once
+
+
+def test_no_skipped_rows_warning_when_batch_size_divides(tiny_model_dir, tmp_path, recwarn):
+    path = _write_jsonl(tmp_path / "train.jsonl", _rows(12))
+    dm = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, train_file=path, val_file=path, batch_size=4)
+    dm.setup("fit")
+    dm.train_dataloader()
+    assert not [m for m in _messages(recwarn) if "skipped each epoch" in m]
+
+
+def test_small_validation_split_warns_naming_val_size_and_count(tiny_model_dir, tmp_path):
+    path = _write_jsonl(tmp_path / "train.jsonl", _rows(30))
+    dm = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, train_file=path, batch_size=3)
+    with pytest.warns(UserWarning, match=r"validation split has only 3 prompts.*val_size=0.1 gives 3"):
+        dm.setup("fit")
+
+
+def test_small_validation_from_task_or_file_warns(tiny_model_dir, tmp_path):
+    dm = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, task="reverse", batch_size=4,
+                          num_train_rows=16, num_val_rows=4)
+    with pytest.warns(UserWarning, match=r"only \d prompts.*num_val_rows"):
+        dm.setup("fit")
+    path = _write_jsonl(tmp_path / "train.jsonl", _rows(8))
+    val = _write_jsonl(tmp_path / "val.jsonl", _rows(2, start=20))
+    dm = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, train_file=path, val_file=val, batch_size=4)
+    with pytest.warns(UserWarning, match=r"only 2 prompts.*val_file"):
+        dm.setup("fit")
+
+
+def test_no_small_validation_warning_for_enough_prompts_or_val_size_0(tiny_model_dir, tmp_path, recwarn):
+    path = _write_jsonl(tmp_path / "train.jsonl", _rows(16))
+    for val_size in (8, 0):
+        PromptDataModule(tokenizer_name_or_path=tiny_model_dir, train_file=path, val_size=val_size,
+                         batch_size=4).setup("fit")
+    assert not [m for m in _messages(recwarn) if "validation split has only" in m]
