@@ -217,3 +217,25 @@ def test_callback_state_survives_resume(fitted, _cache_dir):
     filt = next(v for k, v in state["callbacks"].items() if k.startswith("ZeroVarianceFilter"))
     assert state["global_step"] == 6
     assert filt["seen_groups"] == 6 * 16  # counted on from the restored 64, not from 0
+
+
+@pytest.mark.parametrize(("limit", "expected"), [(None, 5), (1.0, 5), (2, 2), (0.4, 2), (0, 0)])
+def test_validate_at_start_honours_limit_val_batches(limit, expected):
+    """The validation before the first update covers what every later one does: ``limit_val_batches`` batches."""
+    from types import SimpleNamespace
+
+    from rloo_lightning.callbacks.base import ValidateAtStart
+
+    batches = [{"input_ids": torch.zeros(1, 1)} for _ in range(5)]
+    seen = []
+
+    def evaluate_batch(batch, batch_idx):
+        seen.append(batch_idx)
+        return {"reward": torch.tensor([1.0])}
+
+    module = SimpleNamespace(device=torch.device("cpu"), transfer_batch_to_device=lambda b, d, i: b,
+                             evaluate_batch=evaluate_batch, print=lambda *a: None)
+    trainer = SimpleNamespace(global_step=0, limit_val_batches=limit, loggers=[],
+                              datamodule=SimpleNamespace(val_dataloader=lambda: batches))
+    ValidateAtStart().on_train_start(trainer, module)
+    assert seen == list(range(expected))

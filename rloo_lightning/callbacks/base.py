@@ -32,16 +32,27 @@ class ValidateAtStart(Callback):
     """Evaluate the validation prompts before the first update and log ``val/*`` at step 0.
 
     Lightning's sanity check runs validation but discards its metrics, so the starting point of
-    every ``val/`` curve would be missing. Skipped on resume (global step > 0).
+    every ``val/`` curve would be missing. Skipped on resume (global step > 0). Evaluates as many
+    batches as the trainer's ``limit_val_batches`` allows, like every later validation.
     """
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.global_step > 0 or trainer.datamodule is None:
             return
         loader = trainer.datamodule.val_dataloader()
+        limit = trainer.limit_val_batches
+        num_batches = len(loader)
+        if isinstance(limit, int):
+            num_batches = min(num_batches, limit)
+        elif limit is not None:
+            num_batches = int(num_batches * limit)
+        if num_batches == 0:
+            return
         means: dict[str, MeanMetric] = {}
         with torch.no_grad():
             for batch_idx, batch in enumerate(loader):
+                if batch_idx >= num_batches:
+                    break
                 batch = pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
                 for name, values in pl_module.evaluate_batch(batch, batch_idx).items():
                     means.setdefault(name, MeanMetric(nan_strategy="ignore").to(pl_module.device)).update(values)
