@@ -192,6 +192,11 @@ class PromptDataModule(LightningDataModule):
             listed = ", ".join(f"{name}={value!r}" for name, value in given.items())
             rank_zero_warn(f"PromptDataModule: {listed} ignored: {why}")
 
+    @property
+    def _val_size(self) -> float:
+        """``val_size`` as used: the given value, or the default fraction (None tells "not given" apart)."""
+        return DEFAULT_VAL_SIZE if self.hparams.val_size is None else self.hparams.val_size
+
     # -- loading -------------------------------------------------------------------------------
     def _load_rows(self) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]], str]:
         hp = self.hparams
@@ -215,7 +220,7 @@ class PromptDataModule(LightningDataModule):
             return train, read_rows(hp.val_file, hp.val_split, hp.dataset_config), hp.train_file
         order = list(range(len(train)))
         random.Random(hp.seed).shuffle(order)
-        val_size = DEFAULT_VAL_SIZE if hp.val_size is None else hp.val_size
+        val_size = self._val_size
         n_val = int(round(val_size * len(train))) if val_size < 1 else int(val_size)
         val_idx = set(order[:n_val])
         self._split_origin = (f"from {hp.train_file}", f"held out of the {len(train)} rows of {hp.train_file} "
@@ -237,7 +242,7 @@ class PromptDataModule(LightningDataModule):
             elif hp.val_file is not None:
                 knob = f"add prompts to val_file {hp.val_file}"
             else:
-                val_size = DEFAULT_VAL_SIZE if hp.val_size is None else hp.val_size
+                val_size = self._val_size
                 knob = f"val_size={val_size} gives {n_val}; raise val_size (a fraction < 1 or a count >= 1)"
             rank_zero_warn(f"PromptDataModule: the validation split has only {n_val} prompts (fewer than "
                            f"{SMALL_VALIDATION}): val/ metrics will be too noisy to compare; {knob}")

@@ -258,8 +258,9 @@ class PolicyLoss:
             per_token = -advantages.detach() * logp if advantages.dim() == 2 else -advantages.detach()[:, None] * logp
             loss = aggregate_token_loss(per_token, mask, self.aggregation, **denominators)
         elif self.clip_mode == "sequence":  # TRL: one ratio per completion
-            seq_adv = advantages if advantages.dim() == 1 else advantages[:, 0]
-            per_sequence, clip = sequence_clipped_surrogate(seq_adv, logp, old_logp, mask, self.eps_low, self.eps_high)
+            # [b] advantages: token advantages with sequence ratios are refused by config.check_options.
+            per_sequence, clip = sequence_clipped_surrogate(advantages, logp, old_logp, mask, self.eps_low,
+                                                            self.eps_high)
             loss = per_sequence.sum() / denominators["num_sequences"]
             weight = torch.tensor(float(mask.shape[0]))
             stats = {n: (clip[n].detach() * weight, weight) for n in ("clip_low", "clip_high", "clip_region",
