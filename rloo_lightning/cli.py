@@ -9,6 +9,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from rloo_lightning.config import RENAMED
 from rloo_lightning.data import PromptDataModule
+from rloo_lightning.importpath import add_cwd_to_sys_path
 from rloo_lightning.module import RLOOModule
 
 __all__ = ["RLOOCLI", "main"]
@@ -53,8 +54,6 @@ def main(args: list[str] | None = None) -> None:
     # Reward functions and class_path values in the working directory (myreward.py next to the
     # data) are importable; appended, so a user's datasets.py cannot shadow a dependency. DDP ranks
     # re-run this command, so they get it too; reward workers get the parent's directory.
-    from rloo_lightning.importpath import add_cwd_to_sys_path
-
     add_cwd_to_sys_path()
     renamed = _renamed_options(sys.argv[1:] if args is None else args)
     if renamed:
