@@ -24,6 +24,7 @@ __all__ = [
     "DynamicSamplingArgs",
     "ValidationArgs",
     "PolicyArgs",
+    "PredictArgs",
     "GROUPS",
     "Options",
     "check_options",
@@ -58,7 +59,8 @@ class RewardArgs:
 
     Args:
         funcs: reward functions: import paths ``"pkg.module.fn"`` or ``{class_path: pkg.module.Class,
-            init_args: {...}}`` (see :mod:`rloo_lightning.rewards`); importing runs their code.
+            init_args: {...}}`` (see :mod:`rloo_lightning.rewards`); importing runs their code. Required by
+            ``fit``, ``validate`` and ``test``; ``predict`` runs without (it then writes no scores).
         weights: one weight per reward function (default: all 1); the task reward r is the weighted sum.
         timeout: seconds one reward call may run; it then runs in a worker process that is killed on
             timeout, and the call is scored by ``on_error``. None = no limit.
@@ -77,8 +79,6 @@ class RewardArgs:
     chunk_size: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.funcs:
-            raise ValueError("rewards.funcs must name at least one reward function")
         _set(self, "funcs", list(self.funcs))
         if self.weights is not None:
             _set(self, "weights", [float(w) for w in self.weights])
@@ -359,6 +359,31 @@ class ValidationArgs:
 
 
 @dataclass(frozen=True)
+class PredictArgs:
+    """What ``rloo-lightning predict`` writes: completions for ``data.predict_file``, one JSON line each.
+
+    Args:
+        num_samples: completions per prompt, sampled by the training sampler (``sampling``), seeded by
+            (``sampling.seed``, rank, batch).
+        greedy: greedy decoding instead (then one completion per prompt).
+        output_file: the JSONL file written (default ``<log dir>/predictions.jsonl``; with several
+            processes each rank writes ``<name>.rank<N>.jsonl``). An existing file is not overwritten.
+    """
+
+    prefix: ClassVar[str] = "predict"
+    num_samples: int = 1
+    greedy: bool = False
+    output_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 1:
+            raise ValueError(f"predict.num_samples must be >= 1, got {self.num_samples}")
+        if self.greedy and self.num_samples != 1:
+            raise ValueError(f"predict.greedy gives one completion per prompt; predict.num_samples="
+                             f"{self.num_samples} must be 1")
+
+
+@dataclass(frozen=True)
 class PolicyArgs:
     """How the policy is loaded and trained.
 
@@ -403,6 +428,7 @@ GROUPS: dict[str, type] = {
     "dynamic_sampling": DynamicSamplingArgs,
     "validation": ValidationArgs,
     "policy": PolicyArgs,
+    "predict": PredictArgs,
 }
 
 # The flat options of earlier versions and where each one lives now.

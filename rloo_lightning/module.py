@@ -14,9 +14,10 @@ from rloo_lightning import sharding
 from rloo_lightning.advantages import AdvantageEstimator
 from rloo_lightning.callbacks.base import RolloutHook, ValidateAtStart
 from rloo_lightning.callbacks.checkpoint import FinalCheckpoint
+from rloo_lightning.callbacks.predict import PredictionWriter
 from rloo_lightning.config import (
-    AdvantageArgs, DynamicSamplingArgs, KLArgs, PolicyArgs, RewardArgs, SamplingArgs, ShapingArgs, UpdateArgs,
-    ValidationArgs, GROUPS, Options, as_group, check_options, renamed_error, to_primitives,
+    AdvantageArgs, DynamicSamplingArgs, KLArgs, PolicyArgs, PredictArgs, RewardArgs, SamplingArgs, ShapingArgs,
+    UpdateArgs, ValidationArgs, GROUPS, Options, as_group, check_options, renamed_error, to_primitives,
 )
 from rloo_lightning.dynamic_sampling import fill_informative
 from rloo_lightning.kl import fold_kl, mix_into_reference, reward_to_go, token_rewards_after_baseline
@@ -52,7 +53,7 @@ class RLOOModule(LightningModule):
 
     Args:
         model_name_or_path: policy to train: hub id, local directory, or ``tiny:<task>``.
-        rewards: what scores a completion (``RewardArgs``: ``funcs`` is required).
+        rewards: what scores a completion (``RewardArgs``: ``funcs`` is required, except by ``predict``).
         sampling: how completions are sampled (``SamplingArgs``: ``k``, ``max_new_tokens``, ``temperature``...).
         shaping: training-reward shaping, all off by default (``ShapingArgs``).
         kl: the KL term and the reference (``KLArgs``: ``beta``, ``estimator``, ``placement``...).
@@ -61,6 +62,7 @@ class RLOOModule(LightningModule):
         dynamic_sampling: DAPO's dynamic sampling, off by default (``DynamicSamplingArgs``).
         validation: what ``val/*`` measures (``ValidationArgs``).
         policy: loading and training the policy: GGUF, LoRA, gradient checkpointing (``PolicyArgs``).
+        predict: what ``predict`` samples and where it writes (``PredictArgs``).
         generation_engine: what samples the completions (:class:`~rloo_lightning.rollout.GenerationEngine`;
             default: the policy's own ``generate``). In YAML ``{class_path: my.Engine, init_args: {...}}``.
         time_phases: time the phases of each step and write them as ``time/<phase>`` to the loggers.
@@ -81,6 +83,7 @@ class RLOOModule(LightningModule):
         dynamic_sampling: DynamicSamplingArgs = DynamicSamplingArgs(),
         validation: ValidationArgs = ValidationArgs(),
         policy: PolicyArgs = PolicyArgs(),
+        predict: PredictArgs = PredictArgs(),
         generation_engine: GenerationEngine | None = None,
         time_phases: bool = False,
         checkpoint_every_n_steps: int = 0,
@@ -92,7 +95,7 @@ class RLOOModule(LightningModule):
         if renamed:
             raise renamed_error(sorted(renamed), where="")
         given = dict(rewards=rewards, sampling=sampling, shaping=shaping, kl=kl, advantage=advantage, update=update,
-                     dynamic_sampling=dynamic_sampling, validation=validation, policy=policy)
+                     dynamic_sampling=dynamic_sampling, validation=validation, policy=policy, predict=predict)
         cfg = {name: as_group(GROUPS[name], value) for name, value in given.items()}
         self.cfg = Options(**cfg)
         check_options(self.cfg)
@@ -106,10 +109,10 @@ class RLOOModule(LightningModule):
         c = self.cfg
         self.engine = generation_engine or HFGenerateEngine()
         self.timer = PhaseTimer(enabled=time_phases)
-        # Reward import paths resolve now: a typo fails before any model is loaded.
+        # Reward import paths resolve now: a typo fails before any model is loaded. None: predict without scores.
         self.rewards = RewardSet.from_specs(c.rewards.funcs, c.rewards.weights, timeout=c.rewards.timeout,
                                             num_workers=c.rewards.workers, on_error=c.rewards.on_error,
-                                            chunk_size=c.rewards.chunk_size)
+                                            chunk_size=c.rewards.chunk_size) if c.rewards.funcs else None
         # The options plug in as small objects at their point of the step (5: advantages, 6: the loss).
         self.advantage_estimator = AdvantageEstimator.from_args(c.advantage, c.sampling.k)
         self.policy_loss = PolicyLoss.from_args(c.update, c.kl)
@@ -126,6 +129,14 @@ class RLOOModule(LightningModule):
         names = ["reward"] + (["reward_greedy", "accuracy_greedy"] if c.validation.greedy else [])
         names += [f"pass@{pk}" for pk in c.validation.pass_k or []]
         self.val_metrics = torch.nn.ModuleDict({n: MeanMetric(nan_strategy="ignore") for n in names})  # val/<name>
+        self.test_metrics = torch.nn.ModuleDict({n: MeanMetric(nan_strategy="ignore") for n in names})  # test/<name>
+
+    def setup(self, stage: str) -> None:
+        # Before any model is loaded (Lightning calls configure_model after this).
+        stage = getattr(stage, "value", stage)  # Lightning passes a TrainerFn ("fit", "validate", ...)
+        if self.rewards is None and stage != "predict":
+            raise ValueError(f"rewards.funcs must name at least one reward function: {stage} scores completions "
+                             "(only predict runs without)")
 
     # -- models --------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -135,7 +146,7 @@ class RLOOModule(LightningModule):
         policy, tokenizer, reference = load_models(self.hparams.model_name_or_path, self.cfg.policy,
                                                    self.cfg.kl.beta > 0, self._strategy)
         self.attach(policy, tokenizer, reference)
-        for fn in self.rewards.funcs:
+        for fn in self.rewards.funcs if self.rewards is not None else []:
             if isinstance(fn, RewardModel):
                 with sharding.replicated_init_context(self._strategy):  # ZeRO-3: built whole, not partitioned
                     fn.load()  # a wrong reward model (e.g. several labels) fails before training starts
@@ -185,11 +196,13 @@ class RLOOModule(LightningModule):
         return self._trainer.strategy if self._trainer is not None else None
 
     def teardown(self, stage: str) -> None:
-        self.rewards.close()
+        if self.rewards is not None:
+            self.rewards.close()
 
     def configure_callbacks(self):
         # A resumable last.ckpt of the final step whatever the validation cadence (never replaces a ModelCheckpoint).
-        callbacks = [FinalCheckpoint(every_n_steps=self.hparams.checkpoint_every_n_steps)]
+        callbacks = [FinalCheckpoint(every_n_steps=self.hparams.checkpoint_every_n_steps),
+                     PredictionWriter(self.cfg.predict.output_file)]
         return callbacks + ([ValidateAtStart()] if self.cfg.validation.at_start else [])
 
     def configure_optimizers(self):
@@ -493,10 +506,44 @@ class RLOOModule(LightningModule):
         return out
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._log_evaluation(batch, batch_idx, "val", self.val_metrics)
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        """The validation metrics on the test prompts, as ``test/<name>`` (``data.test_file``)."""
+        self._log_evaluation(batch, batch_idx, "test", self.test_metrics)
+
+    def _log_evaluation(self, batch: dict, batch_idx: int, split: str, metrics: torch.nn.ModuleDict) -> None:
         for name, values in self.evaluate_batch(batch, batch_idx).items():
-            metric = self.val_metrics[name]
+            metric = metrics[name]
             metric.update(values)
-            self.log(f"val/{name}", metric, prog_bar=name == "reward", batch_size=len(batch["prompt"]))
+            self.log(f"{split}/{name}", metric, prog_bar=name == "reward", batch_size=len(batch["prompt"]))
+
+    def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
+        """Completions for a batch of prompts, one JSON-ready dict each (written by ``PredictionWriter``).
+
+        ``predict.num_samples`` per prompt from the training sampler, seeded by (seed, rank, batch), or one
+        greedy completion; scored (unshaped) when reward functions are given.
+        """
+        p = self.cfg.predict
+        if p.greedy:
+            rollout = self.sample(batch, 1, 0, greedy=True)
+        else:
+            rollout = self.sample(batch, p.num_samples, self.sampling_seed("predict", batch_idx))
+        if self.rewards is not None:
+            self.score(rollout, shape=False)
+        lengths = rollout.completion_mask.sum(1).long().tolist()
+        rows = []
+        for i, completion in enumerate(rollout.completions):
+            row = {"prompt": batch["prompt"][i // rollout.k], "sample": i % rollout.k, "completion": completion,
+                   "num_tokens": lengths[i], "truncated": bool(rollout.truncated[i])}
+            if rollout.rewards is not None:
+                value = float(rollout.rewards[i])
+                row["reward"] = None if value != value else value  # NaN (no reward) as JSON null
+                row["scores"] = {name: None if float(v[i]) != float(v[i]) else float(v[i])
+                                 for name, v in rollout.scores.items()}
+            row["columns"] = {name: values[i] for name, values in rollout.columns.items()}
+            rows.append(row)
+        return rows
 
     def save_pretrained(self, directory: str) -> None:
         """Write the policy and tokenizer in Hugging Face format (``policy.lora_export`` for a LoRA policy).

@@ -33,7 +33,6 @@ REWARD = "rloo_lightning.tasks.reverse.reward"
 QUICKSTART = CONFIGS / "quickstart.yaml"
 
 BAD = [
-    (RewardArgs, {"funcs": []}, "rewards.funcs must name at least one reward function"),
     (SamplingArgs, {"k": 1}, "sampling.k must be >= 2"),
     (SamplingArgs, {"max_new_tokens": 0}, "sampling.max_new_tokens must be >= 1"),
     (SamplingArgs, {"temperature": 0.0}, "sampling.temperature must be > 0"),

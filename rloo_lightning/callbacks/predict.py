@@ -1,0 +1,55 @@
+"""Write ``predict``'s completions to a JSON Lines file as they come."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.utilities import rank_zero_info
+
+__all__ = ["PredictionWriter"]
+
+
+class PredictionWriter(BasePredictionWriter):
+    """One JSON line per completion from ``predict_step``, written after each batch (a crash keeps what was done).
+
+    Added by :class:`~rloo_lightning.RLOOModule` (``model.predict.output_file``); idle outside ``predict``.
+
+    Args:
+        output_file: the file to write (default ``<trainer.log_dir>/predictions.jsonl``). With several
+            processes, rank N writes ``<stem>.rank<N>.jsonl`` beside it. An existing file is an error,
+            raised before any prompt is sampled: nothing already written is replaced.
+    """
+
+    def __init__(self, output_file: str | None = None) -> None:
+        super().__init__(write_interval="batch")
+        self.output_file = output_file
+        self.path: Path | None = None
+        self._handle = None
+
+    def _path(self, trainer: Trainer) -> Path:
+        path = Path(self.output_file) if self.output_file else Path(
+            trainer.log_dir or trainer.default_root_dir) / "predictions.jsonl"
+        if trainer.world_size > 1:
+            path = path.with_name(f"{path.stem}.rank{trainer.global_rank}{path.suffix}")
+        return path
+
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.path = self._path(trainer)
+        if self.path.exists():
+            raise FileExistsError(f"predict.output_file {self.path} exists; remove it or choose another file")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._handle = open(self.path, "w")
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx,
+                           dataloader_idx=0) -> None:
+        for row in prediction:
+            self._handle.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
+        self._handle.flush()
+
+    def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._handle.close()
+        self._handle = None
+        rank_zero_info(f"predictions written to {self.path}")

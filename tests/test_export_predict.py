@@ -1,0 +1,193 @@
+"""After training: export a checkpoint to a Hugging Face folder, `test` on held-out prompts, `predict` to JSONL."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from module_helpers import REWARD
+from rloo_lightning import RLOOModule
+from rloo_lightning.data import PromptDataModule
+from rloo_lightning.export import checkpoint_hparams, export_checkpoint, module_from_checkpoint
+
+PROMPTS = [{"prompt": "abc=", "answer": "cba"}, {"prompt": "hgfed=", "answer": "defgh"},
+           {"prompt": "ab=", "answer": "ba"}]
+
+
+def _module(model_dir: str, rewards=(REWARD,), **groups) -> RLOOModule:
+    return RLOOModule(model_dir, rewards={"funcs": list(rewards)}, sampling={"k": 2, "max_new_tokens": 6},
+                      validation={"at_start": False}, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), **groups)
+
+
+def _trainer(root, max_steps: int = 1) -> Trainer:
+    return Trainer(accelerator="cpu", max_steps=max_steps, limit_val_batches=0, logger=False,
+                   default_root_dir=str(root), enable_progress_bar=False, enable_model_summary=False,
+                   enable_checkpointing=False)
+
+
+def _prompt_file(tmp_path, rows=PROMPTS, name="prompts.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _data(model_dir: str, **kwargs) -> PromptDataModule:
+    kwargs.setdefault("batch_size", 2)
+    return PromptDataModule(tokenizer_name_or_path=model_dir, max_new_tokens=6, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, tmp_path_factory):
+    """A module after one RLOO step and its checkpoint (written as fit writes one)."""
+    root = tmp_path_factory.mktemp("trained")
+    module = _module(tiny_model_dir)
+    trainer = _trainer(root)
+    trainer.fit(module, datamodule=_data(tiny_model_dir, task="reverse", num_train_rows=8, num_val_rows=8))
+    trainer.save_checkpoint(root / "step1.ckpt")
+    return module, root / "step1.ckpt"
+
+
+# -- export ------------------------------------------------------------------------------------------------------
+def _logits(model, ids=((3, 4, 5, 6, 7),)):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(ids)).logits
+
+
+def test_export_writes_the_trained_policy_that_transformers_loads(trained, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    module, ckpt = trained
+    out = export_checkpoint(ckpt, tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    AutoTokenizer.from_pretrained(out)
+    torch.testing.assert_close(_logits(loaded), _logits(module.policy.eval()))
+    module.policy.train()
+
+
+def test_export_refuses_a_folder_with_files_and_a_missing_checkpoint(trained, tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        export_checkpoint(trained[1], tmp_path / "hf")
+    assert (tmp_path / "hf" / "keep.txt").read_text() == "mine"
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        export_checkpoint(tmp_path / "nope.ckpt", tmp_path / "out")
+
+
+def test_checkpoint_hparams_are_read_without_the_reward_code(trained):
+    model, data = checkpoint_hparams(trained[1])
+    assert model["model_name_or_path"] and model["rewards"]["funcs"] == [REWARD]
+    assert data["task"] == "reverse"
+    # the reward functions are not built for export: a checkpoint exports where its reward code is missing
+    assert module_from_checkpoint(trained[1]).rewards is None
+
+
+@pytest.mark.parametrize("lora_export", ["merged", "adapter"])
+def test_export_of_a_lora_checkpoint(tiny_model_dir, tmp_path, lora_export):
+    pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    module = _module(tiny_model_dir, policy={"lora": {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}})
+    trainer = _trainer(tmp_path, max_steps=2)
+    trainer.fit(module, datamodule=_data(tiny_model_dir, task="reverse", num_train_rows=8, num_val_rows=8))
+    trainer.save_checkpoint(tmp_path / "lora.ckpt")
+    assert all("lora_" in k for k in torch.load(tmp_path / "lora.ckpt", weights_only=True)["state_dict"]
+               if k.startswith("policy."))  # the checkpoint holds the adapter only
+    out = export_checkpoint(tmp_path / "lora.ckpt", tmp_path / "hf", lora_export=lora_export)
+    if lora_export == "merged":
+        loaded = AutoModelForCausalLM.from_pretrained(out)
+    else:
+        from peft import PeftModel
+
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(out))
+    expected = _logits(module.policy.eval())
+    assert not torch.allclose(expected, _logits(AutoModelForCausalLM.from_pretrained(tiny_model_dir)))  # it trained
+    torch.testing.assert_close(_logits(loaded), expected, rtol=1e-4, atol=1e-5)
+
+
+# -- test --------------------------------------------------------------------------------------------------------
+def test_test_evaluates_the_test_file_with_the_validation_metrics(trained, tiny_model_dir, tmp_path):
+    module, _ = trained
+    data = _data(tiny_model_dir, task="reverse", num_train_rows=8, num_val_rows=8,
+                 test_file=_prompt_file(tmp_path))
+    (result,) = _trainer(tmp_path).test(module, datamodule=data)
+    assert set(result) == {"test/reward", "test/reward_greedy", "test/accuracy_greedy"}
+    assert len(data.test_rows) == 3
+    # the greedy reward is that of the greedy completions of those three prompts
+    batch = data._collate()(data.test_rows)
+    greedy = module.sample(batch, 1, 0, greedy=True)
+    module.score(greedy, shape=False)
+    assert result["test/reward_greedy"] == pytest.approx(greedy.rewards.mean().item(), abs=1e-6)
+
+
+def test_test_without_a_test_file_evaluates_the_validation_split(trained, tiny_model_dir, tmp_path):
+    data = _data(tiny_model_dir, task="reverse", num_train_rows=8, num_val_rows=8)
+    (result,) = _trainer(tmp_path).test(trained[0], datamodule=data)
+    assert data.test_rows is data.val_rows and "test/reward" in result
+
+
+def test_test_file_alone_needs_no_training_source(tiny_model_dir, tmp_path):
+    data = _data(tiny_model_dir, test_file=_prompt_file(tmp_path))
+    data.setup("test")
+    assert len(data.test_rows) == 3
+    with pytest.raises(ValueError, match="fit needs data.task or data.train_file"):
+        data.setup("fit")
+
+
+# -- predict -----------------------------------------------------------------------------------------------------
+def _predict(module, model_dir, tmp_path, **module_kwargs):
+    data = _data(model_dir, predict_file=_prompt_file(tmp_path))
+    _trainer(tmp_path).predict(module, datamodule=data, return_predictions=False)
+    out = tmp_path / "predictions.jsonl"
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_predict_writes_each_completion_with_its_scores(tiny_model_dir, tmp_path):
+    module = _module(tiny_model_dir, predict={"num_samples": 2, "output_file": str(tmp_path / "predictions.jsonl")})
+    rows = _predict(module, tiny_model_dir, tmp_path)
+    assert [(r["prompt"], r["sample"]) for r in rows] == [(p["prompt"], s) for p in PROMPTS for s in range(2)]
+    for r in rows:
+        assert r["columns"] == {"answer": next(p["answer"] for p in PROMPTS if p["prompt"] == r["prompt"])}
+        assert 0.0 <= r["reward"] <= 1.0 and r["scores"] == {"reward": r["reward"]}
+        assert isinstance(r["completion"], str) and 1 <= r["num_tokens"] <= 6
+
+
+def test_predict_runs_without_reward_functions_and_fit_does_not(tiny_model_dir, tmp_path):
+    module = _module(tiny_model_dir, rewards=(), predict={"greedy": True,
+                                                            "output_file": str(tmp_path / "predictions.jsonl")})
+    rows = _predict(module, tiny_model_dir, tmp_path)
+    assert len(rows) == 3 and all("reward" not in r and r["sample"] == 0 for r in rows)
+    # greedy: the same completions again
+    (tmp_path / "predictions.jsonl").unlink()
+    assert [r["completion"] for r in _predict(module, tiny_model_dir, tmp_path)] == [r["completion"] for r in rows]
+    data = _data(tiny_model_dir, task="reverse", num_train_rows=8, num_val_rows=8)
+    with pytest.raises(ValueError, match="rewards.funcs must name at least one reward function: fit"):
+        _trainer(tmp_path / "fit").fit(_module(tiny_model_dir, rewards=()), datamodule=data)
+
+
+def test_predict_never_overwrites_a_file(tiny_model_dir, tmp_path):
+    out = tmp_path / "predictions.jsonl"
+    out.write_text("earlier results\n")
+    module = _module(tiny_model_dir, predict={"output_file": str(out)})
+    with pytest.raises(FileExistsError, match="predict.output_file"):
+        _predict(module, tiny_model_dir, tmp_path)
+    assert out.read_text() == "earlier results\n"
+
+
+def test_predict_needs_a_predict_file(tiny_model_dir):
+    with pytest.raises(ValueError, match="predict needs data.predict_file"):
+        _data(tiny_model_dir, task="reverse").setup("predict")
+    with pytest.raises(ValueError, match="give one of `task`"):
+        _data(tiny_model_dir, task="reverse", train_file="x.jsonl")
+
+
+def test_predict_options_are_checked():
+    from rloo_lightning.config import PredictArgs
+
+    with pytest.raises(ValueError, match="predict.num_samples must be >= 1"):
+        PredictArgs(num_samples=0)
+    with pytest.raises(ValueError, match="predict.greedy gives one completion"):
+        PredictArgs(num_samples=3, greedy=True)
