@@ -2,10 +2,15 @@
 
     python scripts/quickstart_trajectory.py --out docs/quickstart_trajectory.json
     python scripts/quickstart_trajectory.py --compare docs/quickstart_trajectory.json
+    python scripts/quickstart_trajectory.py --markdown
 
 Also prints ``fit_wall_s``, the wall time of the whole ``fit`` (start-up and model build included).
 ``--compare`` runs it again and reports, per tag, the largest absolute difference at any logged step
 against the recorded file (0.0 everywhere = bit-identical trajectories). Prints JSON.
+
+``--markdown`` prints, instead of the JSON, the README's quickstart table (:func:`markdown_table`: every
+validation, rounded to 3 decimals, under a line naming this script and the package version); the wall time,
+which is not deterministic, goes to stderr. ``tests/test_readme_figures.py`` checks that README.md holds it verbatim.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TAGS = ["val/reward", "val/reward_greedy", "train/reward", "train/kl", "train/loss", "train/completion_length"]
+VAL_TAGS = ["val/reward", "val/reward_greedy", "val/accuracy_greedy"]  # the README table's columns, in order
+TAGS = [*VAL_TAGS, "train/reward", "train/kl", "train/loss", "train/completion_length"]
 
 
 def run() -> tuple[dict[str, list[list[float]]], float]:
@@ -39,12 +45,33 @@ def run() -> tuple[dict[str, list[list[float]]], float]:
         return {t: [[e.step, e.value] for e in acc.Scalars(t)] for t in TAGS if t in have}, wall
 
 
+def markdown_table(curves: dict[str, list[list[float]]], version: str) -> str:
+    """The README's quickstart table: a row per validation step, the ``VAL_TAGS`` in ``curves`` to 3 decimals."""
+    tags = [t for t in VAL_TAGS if t in curves]
+    steps = [int(s) for s, _ in curves[tags[0]]]
+    values = {t: {int(s): v for s, v in curves[t]} for t in tags}
+    lines = [f"Produced by `python scripts/quickstart_trajectory.py --markdown` at rloo_lightning {version} "
+             "(seed 0, fresh model cache, an x86-64 CPU):",
+             "",
+             "| step | " + " | ".join(f"`{t}`" for t in tags) + " |",
+             "|---" * (len(tags) + 1) + "|"]
+    lines += ["| " + " | ".join([str(s)] + [f"{values[t][s]:.3f}" for t in tags]) + " |" for s in steps]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path)
     parser.add_argument("--compare", type=Path)
+    parser.add_argument("--markdown", action="store_true", help="print the README's table instead of the JSON")
     args = parser.parse_args()
     curves, wall = run()
+    if args.markdown:
+        sys.path.insert(0, str(ROOT))
+        from rloo_lightning import __version__
+
+        print(f"fit_wall_s: {wall:.1f}", file=sys.stderr)
+        print(markdown_table(curves, __version__))
     report: dict = {"val/reward": curves["val/reward"], "fit_wall_s": round(wall, 1)}
     if args.out:
         args.out.write_text(json.dumps(curves, indent=1) + "\n")
@@ -59,7 +86,8 @@ def main() -> None:
             else:
                 diffs[tag] = max(abs(now[s] - then[s]) for s in then)
         report["max_abs_diff"] = diffs
-    print(json.dumps(report))
+    if not args.markdown:
+        print(json.dumps(report))
 
 
 if __name__ == "__main__":

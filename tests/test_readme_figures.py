@@ -1,0 +1,62 @@
+"""The README's quickstart figures are the ones ``scripts/quickstart_trajectory.py`` produces at this version.
+
+* fast: the table in README.md equals :func:`markdown_table` of the committed baseline
+  ``docs/quickstart_trajectory.json`` at ``rloo_lightning.__version__`` (README and baseline agree);
+* slow: the script re-runs the quickstart (about a minute on 2 cores) and its ``--markdown`` output must appear
+  in README.md verbatim. It fails when a change moves the trajectory or the version: re-run the script, paste
+  its output into the README, and re-record the baseline with ``--out docs/quickstart_trajectory.json``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+from cli_harness import REPO, make_env, start_script
+
+import rloo_lightning
+
+SCRIPT = REPO / "scripts" / "quickstart_trajectory.py"
+README = REPO / "README.md"
+BASELINE = REPO / "docs" / "quickstart_trajectory.json"
+
+
+def _script_module():
+    spec = importlib.util.spec_from_file_location("quickstart_trajectory", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _readme_table() -> str:
+    """The README's quickstart block: the "Produced by" line and the table under it, as written."""
+    lines = README.read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if "python scripts/quickstart_trajectory.py --markdown" in line
+                  and line.startswith("Produced by")), None)
+    if start is None:
+        return "(no 'Produced by `python scripts/quickstart_trajectory.py --markdown`' line in README.md)"
+    end = start + 2
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return "\n".join(lines[start:end])
+
+
+def _assert_in_readme(expected: str, source: str) -> None:
+    assert expected in README.read_text(), (
+        f"README.md's quickstart table differs from {source}.\n--- expected ---\n{expected}\n"
+        f"--- README.md ---\n{_readme_table()}")
+
+
+def test_readme_table_matches_recorded_baseline():
+    table = _script_module().markdown_table(json.loads(BASELINE.read_text()), rloo_lightning.__version__)
+    assert table.count("\n| ") >= 3  # header and at least the validations before and after training
+    _assert_in_readme(table, f"{BASELINE.relative_to(REPO)} at rloo_lightning {rloo_lightning.__version__}")
+
+
+@pytest.mark.slow
+def test_readme_table_matches_a_fresh_quickstart_run(tmp_path):
+    # the script builds the tiny model in a fresh cache of its own; the thread count is left as a user has it
+    proc = start_script("quickstart_trajectory", SCRIPT, ["--markdown"], tmp_path,
+                        env=make_env(OMP_NUM_THREADS=None), timeout=900).check()
+    _assert_in_readme(proc.stdout.strip(), "`python scripts/quickstart_trajectory.py --markdown` run now")
