@@ -68,12 +68,15 @@ def module_from_checkpoint(path: str | Path, model_name_or_path: str | None = No
     checkpoint = read_checkpoint(path)
     hparams = dict(checkpoint["hyper_parameters"])
     hparams["rewards"] = {**hparams.get("rewards", {}), "funcs": [], "weights": None}
+    # No reference copy: export needs the policy alone (the KL coefficient buffer still loads from the state).
+    hparams["kl"] = {**hparams.get("kl", {}), "beta": 0.0, "ref_sync_steps": 0}
     if model_name_or_path is not None:
         hparams["model_name_or_path"] = model_name_or_path
     if lora_export is not None:
         hparams["policy"] = {**hparams.get("policy", {}), "lora_export": lora_export}
     module = RLOOModule(**hparams)
     module.configure_model()
+    checkpoint.pop("rloo_reference", None)
     module.on_load_checkpoint(checkpoint)  # LoRA: the base weights join the adapter's state
     module.load_state_dict(checkpoint["state_dict"])
     return module

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from rloo_lightning.advantages import group_std
@@ -11,6 +12,7 @@ from rloo_lightning.logprobs import masked_sum
 __all__ = [
     "train_metric_sums",
     "pass_at_k",
+    "NoSignalWatch",
 ]
 
 
@@ -68,3 +70,25 @@ def train_metric_sums(rollout, entropy: Tensor, loss: Tensor) -> dict[str, tuple
         ok = ~torch.isnan(values)
         sums[f"train/score/{name}"] = (torch.nan_to_num(values).sum(), ok.sum())
     return sums
+
+
+class NoSignalWatch:
+    """Warns once when every group's k task rewards were equal for ``patience`` training steps in a row.
+
+    Such a group has a leave-one-out advantage of 0 for the task (only the KL term moves the policy), so a
+    run where it is always so learns nothing: a reward that never varies, or a task too hard or too easy.
+    """
+
+    def __init__(self, patience: int = 20) -> None:
+        self.patience, self.streak, self.warned = patience, 0, False
+
+    def update(self, zero_std_fraction: float, step: int) -> None:
+        """``zero_std_fraction``: the step's ``train/zero_std_groups`` (a global mean over ranks)."""
+        self.streak = self.streak + 1 if zero_std_fraction >= 1.0 else 0
+        if self.streak >= self.patience and not self.warned:
+            self.warned = True
+            rank_zero_warn(
+                f"no learning signal: in each of the last {self.streak} steps (up to step {step}) every group's "
+                f"k rewards were equal (train/zero_std_groups = 1), so every task advantage is 0. Check that the "
+                "reward varies between completions (train/score/<name>), or raise sampling.k / "
+                "sampling.temperature, or use dynamic_sampling.enabled to resample such groups")

@@ -23,7 +23,7 @@ from rloo_lightning.dynamic_sampling import fill_informative
 from rloo_lightning.kl import fold_kl, mix_into_reference, reward_to_go, token_rewards_after_baseline
 from rloo_lightning.logprobs import sequence_logprobs
 from rloo_lightning.losses import PolicyLoss
-from rloo_lightning.metrics import pass_at_k, train_metric_sums
+from rloo_lightning.metrics import NoSignalWatch, pass_at_k, train_metric_sums
 from rloo_lightning.policy import Frozen, disable_dropout, export_pretrained, load_models, lora_config, prepare_policy
 from rloo_lightning.rewards import RewardSet
 from rloo_lightning.rewards.model import RewardModel
@@ -124,6 +124,7 @@ class RLOOModule(LightningModule):
         self._ref: Frozen | None = None
         self.guard = NonFiniteGuard(c.update.on_nonfinite)
         self._last_stats: dict[str, float] = {}
+        self.no_signal = NoSignalWatch()
         # The KL coefficient in use; a buffer so that an adaptive controller's value is checkpointed.
         self.register_buffer("beta", torch.tensor(float(c.kl.beta)))
         names = ["reward"] + (["reward_greedy", "accuracy_greedy"] if c.validation.greedy else [])
@@ -482,6 +483,7 @@ class RLOOModule(LightningModule):
         metrics = dict(zip(sums, (stacked[:, 0] / stacked[:, 1].clamp(min=1)).tolist()))
         for name, value in metrics.items():
             self.log(name, value, prog_bar=name in ("train/reward", "train/kl"), batch_size=len(rollout.prompts))
+        self.no_signal.update(metrics["train/zero_std_groups"], self.global_step)
         if self.timer.enabled:
             log_phase_times(self._trainer, self.timer.totals, self.global_step)
         return metrics

@@ -68,3 +68,20 @@ def test_gguf_policy_chat_prompts_step_and_export(module, tmp_path):
     ref = dict(module.policy.named_parameters())
     for name, p in loaded.named_parameters():
         torch.testing.assert_close(p, ref[name])
+
+
+def test_export_of_a_gguf_policy_checkpoint(module, tmp_path):
+    """``rloo-lightning export`` on a GGUF-loaded policy's checkpoint: the base is re-read from the GGUF file."""
+    from transformers import AutoModelForCausalLM
+
+    from rloo_lightning.export import export_checkpoint
+
+    with torch.no_grad():  # a trained policy differs from the GGUF file: move one weight
+        next(module.policy.parameters()).add_(0.01)
+    ckpt = tmp_path / "gguf.ckpt"
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, ckpt)
+    loaded = AutoModelForCausalLM.from_pretrained(export_checkpoint(ckpt, tmp_path / "hf"))
+    assert getattr(loaded.config, "quantization_config", None) is None
+    ref = dict(module.policy.named_parameters())
+    for name, p in loaded.named_parameters():
+        torch.testing.assert_close(p, ref[name])

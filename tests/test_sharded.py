@@ -170,6 +170,21 @@ def test_fsdp2_hf_export_writes_the_gathered_policy(runs, tmp_path):
 
 
 @pytest.mark.slow  # the `runs` fixture: distributed subprocesses
+def test_export_of_a_sharded_checkpoint_folder(runs, tmp_path):
+    """``rloo-lightning export`` reads the FSDP2 folder (every rank's shard) in one process, no process group."""
+    from transformers import AutoModelForCausalLM
+
+    from rloo_lightning.export import export_checkpoint
+
+    _ok(runs, "a")
+    folder = _ckpt(runs["root"] / "a", STEPS)
+    exported = AutoModelForCausalLM.from_pretrained(export_checkpoint(folder, tmp_path / "hf"))
+    state = _dcp_to_dict(folder, tmp_path)["state_dict"]
+    for name, value in exported.state_dict().items():
+        torch.testing.assert_close(value, state[f"policy.{name}"], msg=name)
+
+
+@pytest.mark.slow  # the `runs` fixture: distributed subprocesses
 def test_fsdp2_resume_from_a_sharded_checkpoint_matches_the_uninterrupted_run(runs, tmp_path):
     """B resumes from A's sharded step-2 checkpoint and runs to step 4: weights and optimizer state equal A's."""
     _ok(runs, "a")

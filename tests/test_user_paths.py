@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from rloo_lightning.importpath import add_cwd_to_sys_path, shadowing_files
 from rloo_lightning.models import load_causal_lm, load_tokenizer, resolve_model_path
@@ -137,6 +138,34 @@ def test_all_none_reward_warns_once():
         rs.score(*args)  # once per set and function
     with pytest.warns(RewardWarning, match="'never'"):
         RewardSet.from_specs([never]).score(*args)  # a new set warns again
+
+
+def test_no_signal_warns_once_after_a_streak_of_uninformative_steps():
+    from rloo_lightning.metrics import NoSignalWatch
+
+    watch = NoSignalWatch(patience=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step, fraction in enumerate([1.0, 1.0, 0.5, 1.0, 1.0]):  # the streak is broken at step 2
+            watch.update(fraction, step)
+    with pytest.warns(UserWarning, match=r"no learning signal: in each of the last 3 steps \(up to step 5\)"):
+        watch.update(1.0, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        watch.update(1.0, 6)  # once
+
+
+def test_module_watches_for_steps_without_signal(tiny_model_dir):
+    from module_helpers import configured_module, scored_rollout
+
+    module = configured_module(tiny_model_dir)
+    module.no_signal.patience = 2
+    rollout = scored_rollout(module)
+    rollout.rewards = torch.ones_like(rollout.rewards)  # every group's rewards equal
+    module.rollout_loss(rollout)
+    module.log_train_metrics(rollout, torch.zeros_like(rollout.completion_mask), torch.tensor(0.0))
+    with pytest.warns(UserWarning, match="no learning signal"):
+        module.log_train_metrics(rollout, torch.zeros_like(rollout.completion_mask), torch.tensor(0.0))
 
 
 # -- the CLI, from the user's folder -----------------------------------------------------------
