@@ -191,3 +191,21 @@ def test_predict_options_are_checked():
         PredictArgs(num_samples=0)
     with pytest.raises(ValueError, match="predict.greedy gives one completion"):
         PredictArgs(num_samples=3, greedy=True)
+
+
+# -- the CLI: the checkpoint's options are defaults ------------------------------------------------------------
+@pytest.mark.slow  # a CLI subprocess
+def test_cli_takes_options_from_the_checkpoint_and_the_command_line_wins(trained, tmp_path, _cache_dir):
+    import yaml
+
+    from cli_harness import CLI, Proc, make_env
+
+    args = ["predict", "--ckpt_path", str(trained[1]), "--data.predict_file", "p.jsonl",
+            "--model.predict.num_samples", "3", "--model.rewards.funcs", "[]", "--print_config"]
+    proc = Proc("print", CLI + args, tmp_path, make_env(_cache_dir)).wait().check()
+    config = yaml.safe_load(proc.stdout)
+    assert config["model"]["model_name_or_path"] == trained[0].hparams.model_name_or_path  # from the checkpoint
+    assert config["model"]["sampling"]["k"] == 2 and config["model"]["sampling"]["max_new_tokens"] == 6
+    assert config["data"]["task"] == "reverse" and config["data"]["num_train_rows"] == 8
+    assert config["model"]["predict"]["num_samples"] == 3  # given on the command line
+    assert config["model"]["rewards"]["funcs"] == []  # given: an empty list beats the checkpoint's function
