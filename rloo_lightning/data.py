@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from rloo_lightning.models import context_length, load_tokenizer
 
-__all__ = ["PromptDataModule", "ResumableSampler", "collate_prompts", "read_rows"]
+__all__ = ["PromptDataModule", "ResumableDataLoader", "ResumableSampler", "collate_prompts", "read_rows"]
 
 SMALL_VALIDATION = 8  # fewer validation prompts than this: a warning (val/reward is too noisy to compare)
 DEFAULT_VAL_SIZE, DEFAULT_TRAIN_ROWS, DEFAULT_VAL_ROWS = 0.1, 4000, 200
@@ -351,8 +351,8 @@ class PromptDataModule(LightningDataModule):
                                    position=self._consumed_batches if trainer is not None else None)
         # drop_last: every rollout has batch_size prompts, so steps are alike.
         self._warn_incomplete_batch(sampler, world)
-        return DataLoader(self.train_rows, batch_size=hp.batch_size, sampler=sampler, drop_last=True,
-                          collate_fn=self._collate())
+        return ResumableDataLoader(self.train_rows, batch_size=hp.batch_size, sampler=sampler, drop_last=True,
+                                   collate_fn=self._collate())
 
     def _warn_incomplete_batch(self, sampler: ResumableSampler, world: int) -> None:
         """Once: how many training rows each epoch skips because they do not fill a batch (drop_last)."""
@@ -388,6 +388,25 @@ class PromptDataModule(LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_rows, batch_size=self.hparams.val_batch_size or self.hparams.batch_size,
                           shuffle=False, collate_fn=self._collate())
+
+
+class ResumableDataLoader(DataLoader):
+    """The training loader: a ``DataLoader`` that Lightning counts as resumable (``state_dict`` / ``load_state_dict``).
+
+    The resume position is not kept here: the :class:`ResumableSampler`'s ``position`` (the
+    trainer's restored global step) is the one source of truth, so :meth:`load_state_dict` takes the
+    saved state and changes nothing. Lightning only stores the state in the checkpoint and hands it
+    back on restore (it skips no batches itself), so nothing is skipped twice; being stateful only
+    tells Lightning that a mid-epoch resume continues exactly (no "not resumable" warning).
+    """
+
+    def state_dict(self) -> dict:
+        """``consumed_batches``: the batches this rank had consumed when the checkpoint was written."""
+        position = getattr(self.sampler, "position", None)
+        return {"consumed_batches": int(position()) if callable(position) else 0}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Accepts the saved state; the sampler's position (the restored global step) already places the data."""
 
 
 class ResumableSampler(DistributedSampler):
