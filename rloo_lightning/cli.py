@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
+import warnings
+from argparse import ArgumentError
 from pathlib import Path
 
+from lightning.pytorch.callbacks.progress import ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from rloo_lightning.callbacks.progress import StepProgressBar
 from rloo_lightning.config import RENAMED
 from rloo_lightning.data import PromptDataModule
 from rloo_lightning.importpath import add_cwd_to_sys_path
 from rloo_lightning.module import RLOOModule
 
-__all__ = ["RLOOCLI", "main"]
+__all__ = ["RLOOCLI", "main", "TRACEBACK_ENV"]
+
+TRACEBACK_ENV = "RLOO_TRACEBACK"  # set to 1: an error propagates with its full traceback
+# Lightning's two adverts, logged on every run (logger and checkpoint connectors); dropped by their text.
+_LIGHTNING_TIPS = ("💡 Tip: For seamless cloud logging and experiment tracking",
+                   "💡 Tip: For seamless cloud uploads and versioning")
+# Lightning's own use of a torch API that torch deprecated (lightning/pytorch/utilities/_pytree.py).
+_PYTREE_DEPRECATION = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+# Exception types whose message says it all; other types are named on the error line (NonFiniteError: ...).
+_PLAIN_ERRORS = (ValueError, RuntimeError, OSError, FileNotFoundError, ImportError, ModuleNotFoundError, TypeError,
+                 NotImplementedError, MisconfigurationException)
 
 
 class RLOOCLI(LightningCLI):
@@ -27,6 +44,84 @@ class RLOOCLI(LightningCLI):
         parser.link_arguments("model.policy.gguf_file", "data.gguf_file")
         # Rollout reuse: the data repeats each batch for the updates made on its rollout.
         parser.link_arguments("model.update.updates_per_rollout", "data.repeat_batches")
+
+    def instantiate_trainer(self, **kwargs):
+        """The trainer, with :class:`StepProgressBar` in place of the progress bar Lightning adds by default.
+
+        Only Lightning's own default is replaced: a progress bar among the configured callbacks, or
+        ``enable_progress_bar: false``, is left as it is.
+        """
+        config = self._get(self.config_init, "trainer", default={}) or {}
+        given = [*_as_list(config.get("callbacks")), *_as_list(kwargs.get("callbacks")),
+                 *_as_list(self.trainer_defaults.get("callbacks")),
+                 *[self._get(self.config_init, key) for key in self._parser(self.subcommand).callback_keys]]
+        enabled = kwargs.get("enable_progress_bar", config.get("enable_progress_bar"))
+        default_bar = enabled is not False and not any(isinstance(c, ProgressBar) for c in given)
+        trainer = super().instantiate_trainer(**kwargs)
+        if default_bar:
+            at = [i for i, c in enumerate(trainer.callbacks) if isinstance(c, ProgressBar)]
+            if len(at) == 1 and type(trainer.callbacks[at[0]]) in (RichProgressBar, TQDMProgressBar):
+                trainer.callbacks[at[0]] = StepProgressBar()
+        return trainer
+
+
+def _as_list(value) -> list:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+class _DropLightningTips(logging.Filter):
+    """Drops Lightning's two "💡 Tip: ..." adverts (litlogger, litmodels); every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(_LIGHTNING_TIPS)
+
+
+def _quiet_third_party() -> None:
+    """The CLI run's noise off: Lightning's adverts, its pytree deprecation warning, the weight-loading bar."""
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _DropLightningTips) for f in logger.filters):
+        logger.addFilter(_DropLightningTips())
+    warnings.filterwarnings("ignore", message=_PYTREE_DEPRECATION)
+    # transformers' "Loading weights" bar off; the hub's download bars stay as they were.
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    hub_bars_off = are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()
+    if not hub_bars_off:
+        enable_progress_bars()
+
+
+def _error_chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling, outermost first."""
+    chain, seen = [exc], {id(exc)}
+    while True:
+        last = chain[-1]
+        inner = last.__cause__ if last.__cause__ is not None else (
+            None if last.__suppress_context__ else last.__context__)
+        if inner is None or id(inner) in seen:
+            return chain
+        chain.append(inner)
+        seen.add(id(inner))
+
+
+def _is_wrapper(exc: BaseException) -> bool:
+    """An exception that only carries another: raised by the argument parser, or with no message of its own."""
+    module = type(exc).__module__ or ""
+    return isinstance(exc, ArgumentError) or module.split(".")[0] in ("jsonargparse", "argparse") or not str(exc).strip()
+
+
+def error_line(exc: BaseException) -> str:
+    """The one line that says what went wrong: the innermost useful message of ``exc``'s chain."""
+    chain = _error_chain(exc)
+    useful = next((e for e in chain if not _is_wrapper(e)), None)
+    if useful is None:  # only wrappers: the innermost one with a message
+        useful = next((e for e in reversed(chain) if str(e).strip()), exc)
+    message = str(useful).strip()  # a message written on several lines keeps them
+    name = type(useful).__name__
+    if type(useful) in _PLAIN_ERRORS and message:
+        return f"error: {message}"
+    return f"error: {name}: {message}" if message else f"error: {name}"
 
 
 def _renamed_options(args: list[str]) -> list[str]:
@@ -59,4 +154,29 @@ def main(args: list[str] | None = None) -> None:
     if renamed:
         lines = "\n".join(f"  model.{name} -> model.{RENAMED[name]}" for name in renamed)
         sys.exit(f"error: RLOOModule's options are grouped now; rename:\n{lines}")
-    RLOOCLI(RLOOModule, PromptDataModule, save_config_kwargs={"overwrite": True}, args=args)
+    _quiet_third_party()
+    if os.environ.get(TRACEBACK_ENV, "").strip().lower() not in ("", "0", "false", "no"):
+        _run(args)  # errors propagate with their traceback
+        return
+    try:
+        _run(args)
+    except ArgumentError as exc:  # a parse error: one line instead of the usage and the line
+        sys.stderr.write(f"error: {exc.message if getattr(exc, 'message', None) else exc}\n"
+                         f"(see rloo-lightning {_subcommand(args)}--help for the options)\n")
+        sys.exit(2)
+    except Exception as exc:  # KeyboardInterrupt and SystemExit are no Exception: they pass
+        sys.stderr.write(f"{error_line(exc)}\n(set {TRACEBACK_ENV}=1 for the full traceback)\n")
+        sys.exit(1)
+
+
+def _subcommand(args: list[str] | None) -> str:
+    args = sys.argv[1:] if args is None else args
+    first = next((a for a in args if not a.startswith("-")), None)
+    return f"{first} " if first in LightningCLI.subcommands() else ""
+
+
+def _run(args: list[str] | None) -> None:
+    # exit_on_error=False: a parse error raises (main prints it as one line) instead of printing the usage.
+    parser_kwargs = {"exit_on_error": False, **{name: {"exit_on_error": False} for name in LightningCLI.subcommands()}}
+    RLOOCLI(RLOOModule, PromptDataModule, save_config_kwargs={"overwrite": True}, parser_kwargs=parser_kwargs,
+            args=args)
