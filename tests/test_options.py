@@ -177,3 +177,8 @@ def test_checkpoint_hyperparameters_are_plain_primitives(tmp_path, tiny_model_di
     assert all(getattr(loaded.cfg, name) == getattr(module.cfg, name) for name in GROUPS)
     for (name, a), b in zip(loaded.policy.state_dict().items(), module.policy.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_readme_options_table_lists_every_group():
+    readme = (CONFIGS.parent / "README.md").read_text()
+    assert [name for name in GROUPS if f"| `model.{name}` |" not in readme] == []
