@@ -108,7 +108,8 @@ def _error_chain(exc: BaseException) -> list[BaseException]:
 def _is_wrapper(exc: BaseException) -> bool:
     """An exception that only carries another: raised by the argument parser, or with no message of its own."""
     module = type(exc).__module__ or ""
-    return isinstance(exc, ArgumentError) or module.split(".")[0] in ("jsonargparse", "argparse") or not str(exc).strip()
+    from_parser = isinstance(exc, ArgumentError) or module.split(".")[0] in ("jsonargparse", "argparse")
+    return from_parser or not str(exc).strip()
 
 
 def error_line(exc: BaseException) -> str:

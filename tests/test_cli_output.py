@@ -51,9 +51,9 @@ def test_only_the_pytree_deprecation_warning_is_silenced():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _quiet_third_party()
-        warnings.warn(PYTREE, FutureWarning)
-        warnings.warn("some other deprecation", FutureWarning)
-        warnings.warn("a user warning", UserWarning)
+        warnings.warn(PYTREE, FutureWarning, stacklevel=1)
+        warnings.warn("some other deprecation", FutureWarning, stacklevel=1)
+        warnings.warn("a user warning", UserWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == ["some other deprecation", "a user warning"]
 
 
