@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from rloo_lightning.callbacks.progress import StepProgressBar
 from rloo_lightning.config import RENAMED
 from rloo_lightning.data import PromptDataModule
+from rloo_lightning.export import checkpoint_hparams, main as export_main
 from rloo_lightning.importpath import add_cwd_to_sys_path
 from rloo_lightning.module import RLOOModule
 
@@ -63,6 +64,21 @@ class RLOOCLI(LightningCLI):
             if len(at) == 1 and type(trainer.callbacks[at[0]]) in (RichProgressBar, TQDMProgressBar):
                 trainer.callbacks[at[0]] = StepProgressBar()
         return trainer
+
+    def parse_arguments(self, parser, args) -> None:
+        # `--ckpt_path X` alone is enough for test / predict / validate: the checkpoint's module options become
+        # the defaults, so a config file and explicit --model.* options still win (Lightning's own loader, which
+        # runs after parsing, needs --model.model_name_or_path given and then overrides what was given).
+        argv = sys.argv[1:] if args is None else args
+        if isinstance(argv, list):
+            subcommand = next((a for a in argv if not a.startswith("-")), None)
+            ckpt = _option_value(argv, "--ckpt_path")
+            if subcommand in getattr(self, "_subcommand_parsers", {}) and ckpt:
+                _set_checkpoint_defaults(self._subcommand_parsers[subcommand], *checkpoint_hparams(ckpt))
+        super().parse_arguments(parser, args)
+
+    def _parse_ckpt_path(self) -> None:
+        """Done in :meth:`parse_arguments`, as defaults (see there)."""
 
 
 def _as_list(value) -> list:
@@ -125,6 +141,35 @@ def error_line(exc: BaseException) -> str:
     return f"error: {name}: {message}" if message else f"error: {name}"
 
 
+def _option_value(argv: list[str], name: str) -> str | None:
+    """The value of ``--name value`` or ``--name=value`` in ``argv`` (the last one given), else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value if value not in (None, "null", "None") else None
+
+
+def _set_checkpoint_defaults(parser, model: dict, data: dict) -> None:
+    """Each module and data option stored in the checkpoint becomes the parser's default for ``model.<name>``
+    or ``data.<name>`` (the data's linked options follow the model's)."""
+    linked = {"tokenizer_name_or_path", "max_new_tokens", "trust_remote_code", "gguf_file", "repeat_batches"}
+    items = [(f"model.{name}", value) for name, value in model.items()]
+    items += [(f"data.{name}", value) for name, value in data.items() if name not in linked]
+    defaults = {}
+    for prefix, value in items:
+        for field, v in value.items() if isinstance(value, dict) and prefix.startswith("model.") else [(None, value)]:
+            key = prefix + (f".{field}" if field else "")
+            try:
+                parser.get_default(key)
+            except KeyError:
+                continue  # an option this version does not have
+            defaults[key] = v
+    parser.set_defaults(defaults)
+
+
 def _renamed_options(args: list[str]) -> list[str]:
     """Old flat module options in ``args``: ``--model.beta``, or ``model: {beta: ...}`` in a ``--config`` file."""
     found = []
@@ -177,7 +222,16 @@ def _subcommand(args: list[str] | None) -> str:
 
 
 def _run(args: list[str] | None) -> None:
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["export"]:  # not a Trainer method, so not a LightningCLI subcommand
+        export_main(argv[1:])
+        return
+    if argv[:1] != ["fit"]:
+        # test / predict / validate from a checkpoint run in a new log folder: the checkpoint callback's note
+        # that its folder changed is true and harmless there (nothing is saved).
+        warnings.filterwarnings("ignore", message="The dirpath has changed from")
     # exit_on_error=False: a parse error raises (main prints it as one line) instead of printing the usage.
     parser_kwargs = {"exit_on_error": False, **{name: {"exit_on_error": False} for name in LightningCLI.subcommands()}}
+    # seed_everything 0 unless configured: what Lightning falls back to anyway, without its "No seed found" warning.
     RLOOCLI(RLOOModule, PromptDataModule, save_config_kwargs={"overwrite": True}, parser_kwargs=parser_kwargs,
-            args=args)
+            seed_everything_default=0, args=args)

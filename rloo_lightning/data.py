@@ -102,6 +102,10 @@ class PromptDataModule(LightningDataModule):
             ``datasets.load_dataset`` name (hub or local script).
         val_file: held-out prompts (same forms); without it, ``val_size`` rows are held out.
             Setup logs both split sizes and where they came from.
+        test_file: prompts for ``rloo-lightning test`` (same forms); without it, ``test`` evaluates
+            the validation split.
+        predict_file: prompts for ``rloo-lightning predict`` (same forms), which writes sampled
+            completions; ``predict`` needs neither ``task`` nor ``train_file``.
         dataset_config: the dataset configuration name for ``load_dataset``.
         train_split, val_split: splits to read from a dataset name.
         prompt_column: the column holding the prompt (string or messages list).
@@ -136,6 +140,8 @@ class PromptDataModule(LightningDataModule):
         task: str | None = None,
         train_file: str | None = None,
         val_file: str | None = None,
+        test_file: str | None = None,
+        predict_file: str | None = None,
         dataset_config: str | None = None,
         train_split: str = "train",
         val_split: str = "test",
@@ -155,8 +161,11 @@ class PromptDataModule(LightningDataModule):
         trust_remote_code: bool = False,
     ) -> None:
         super().__init__()
-        if (task is None) == (train_file is None):
-            raise ValueError("PromptDataModule: give exactly one of `task` (embedded) or `train_file`")
+        if task is not None and train_file is not None:
+            raise ValueError("PromptDataModule: give one of `task` (embedded) or `train_file`, not both")
+        if task is None and train_file is None and test_file is None and predict_file is None:
+            raise ValueError("PromptDataModule: give `task` (embedded) or `train_file` (or only `predict_file` "
+                             "for predict, `test_file` for test)")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if repeat_batches < 1:
@@ -173,6 +182,9 @@ class PromptDataModule(LightningDataModule):
         self.tokenizer = None
         self.train_rows: list[dict] = []
         self.val_rows: list[dict] = []
+        self.test_rows: list[dict] = []
+        self.predict_rows: list[dict] = []
+        self._loaded: set[str] = set()  # the splits setup has read: "fit" (train + validation), "test", "predict"
         self.dropped: dict[str, int] = {}
 
     def _warn_ignored_options(self) -> None:
@@ -248,10 +260,42 @@ class PromptDataModule(LightningDataModule):
                            f"{SMALL_VALIDATION}): val/ metrics will be too noisy to compare; {knob}")
 
     def setup(self, stage: str | None = None) -> None:
+        """Read and tokenize what ``stage`` uses: fit / validate the train and validation splits, test the
+        ``test_file`` (else the validation split), predict the ``predict_file``. Idempotent."""
+        hp = self.hparams
+        if stage == "predict":
+            if hp.predict_file is None:
+                raise ValueError("predict needs data.predict_file: the prompts to sample completions for")
+            if "predict" not in self._loaded:
+                self._load_tokenizer()
+                self.predict_rows = self._tokenize(read_rows(hp.predict_file, hp.val_split, hp.dataset_config),
+                                                   "predict")
+                rank_zero_info(f"PromptDataModule: {len(self.predict_rows)} prompts to predict from "
+                               f"{hp.predict_file}")
+                self._loaded.add("predict")
+            return
+        if stage == "test" and hp.test_file is not None:
+            if "test" not in self._loaded:
+                self._load_tokenizer()
+                self.test_rows = self._tokenize(read_rows(hp.test_file, hp.val_split, hp.dataset_config), "test")
+                rank_zero_info(f"PromptDataModule: {len(self.test_rows)} test prompts from test_file {hp.test_file}")
+                self._loaded.add("test")
+            return
+        if "fit" not in self._loaded:
+            if hp.task is None and hp.train_file is None:
+                what = {"test": "test needs data.test_file, or data.task / data.train_file for its validation split"}
+                raise ValueError(what.get(stage, f"{stage or 'fit'} needs data.task or data.train_file"))
+            self._setup_fit()
+        if stage == "test":
+            self.test_rows = self.val_rows
+            rank_zero_info(f"PromptDataModule: no test_file: test evaluates the {len(self.val_rows)} validation "
+                           "prompts")
+
+    def _load_tokenizer(self) -> None:
+        """The policy's tokenizer, its chat-template check and the prompt-length limit (once)."""
         if self.tokenizer is not None:
             return
         hp = self.hparams
-        train, val, source = self._load_rows()
         self.tokenizer = load_tokenizer(hp.tokenizer_name_or_path, gguf_file=hp.gguf_file,
                                         trust_remote_code=hp.trust_remote_code)
         if hp.use_chat_template is True and not self.tokenizer.chat_template:
@@ -265,6 +309,11 @@ class PromptDataModule(LightningDataModule):
                 raise ValueError(f"max_new_tokens={hp.max_new_tokens} leaves no room for a prompt in the "
                                  f"model's context of {limit} tokens")
             self.max_prompt_tokens = min(room, hp.max_prompt_length or room)
+
+    def _setup_fit(self) -> None:
+        hp = self.hparams
+        train, val, source = self._load_rows()
+        self._load_tokenizer()
         self.train_rows = self._tokenize(train, "train")
         self.val_rows = self._tokenize(val, "validation")
         self._report_split()
@@ -272,6 +321,7 @@ class PromptDataModule(LightningDataModule):
             dropped = f" after dropping {self.dropped['train']} long prompts" if "train" in self.dropped else ""
             raise ValueError(f"{source}: the training set has {len(self.train_rows)} rows{dropped}, fewer than "
                              f"batch_size={hp.batch_size}" + (" (the source is empty)" if not train else ""))
+        self._loaded.add("fit")
 
     def format_prompt(self, prompt, where: str) -> tuple[str, bool]:
         """The text fed to the model for ``prompt`` and whether it went through the chat template."""
@@ -386,7 +436,17 @@ class PromptDataModule(LightningDataModule):
         return self.trainer.global_step * self.trainer.accumulate_grad_batches
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_rows, batch_size=self.hparams.val_batch_size or self.hparams.batch_size,
+        return self._eval_loader(self.val_rows)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader(self.test_rows)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._eval_loader(self.predict_rows)
+
+    def _eval_loader(self, rows: list[dict]) -> DataLoader:
+        """In file order, ``val_batch_size`` prompts a batch, the last one possibly short."""
+        return DataLoader(rows, batch_size=self.hparams.val_batch_size or self.hparams.batch_size,
                           shuffle=False, collate_fn=self._collate())
 
 
