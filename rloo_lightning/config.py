@@ -21,6 +21,7 @@ __all__ = [
     "KLArgs",
     "AdvantageArgs",
     "UpdateArgs",
+    "CorrectionArgs",
     "DynamicSamplingArgs",
     "ValidationArgs",
     "PolicyArgs",
@@ -301,6 +302,40 @@ class UpdateArgs:
 
 
 @dataclass(frozen=True)
+class CorrectionArgs:
+    """Importance correction for a sampler that is not exactly pi_theta (an engine that reports its log-probs).
+
+    Off by default (the paper samples from pi_theta itself). When the engine reports log pi_s of each
+    sampled token, ``train/mismatch/*`` is logged whatever these options say.
+
+    Args:
+        level: ``none``; ``sequence``: one detached weight w_i = pi_theta(y_i) / pi_s(y_i) multiplies
+            (R_i - b_i) grad log pi_theta(y_i): unbiased when untruncated (``cap: null``), but its variance
+            grows fast with the mismatch and the length; ``token``: w_it = pi_theta(y_it|.) / pi_s(y_it|.)
+            per token: far lower variance, biased unless the mismatch is per-token only.
+        mode: ``truncate``: min(w, cap) (TIS): bounded variance, biased toward under-weighting the samples
+            pi_theta favours; ``mask``: w inside [lower, cap], 0 outside (the sample or token leaves the
+            loss): removes outliers, biased by what it drops.
+        cap: the upper bound of the weight (TIS's C; verl uses 2); null: none.
+        lower: ``mask`` mode's lower bound (default 1 / cap).
+    """
+
+    prefix: ClassVar[str] = "correction"
+    level: Literal["none", "sequence", "token"] = "none"
+    mode: Literal["truncate", "mask"] = "truncate"
+    cap: float | None = 2.0
+    lower: float | None = None
+
+    def __post_init__(self) -> None:
+        _one_of("correction.level", self.level, ("none", "sequence", "token"))
+        _one_of("correction.mode", self.mode, ("truncate", "mask"))
+        if self.cap is not None and self.cap <= 0:
+            raise ValueError(f"correction.cap must be > 0 or null, got {self.cap}")
+        if self.lower is not None and not (0 <= self.lower < (self.cap if self.cap is not None else float("inf"))):
+            raise ValueError(f"correction.lower must be in [0, correction.cap), got {self.lower}")
+
+
+@dataclass(frozen=True)
 class DynamicSamplingArgs:
     """DAPO's dynamic sampling (Yu et al. 2025; OpenRLHF ``dynamic_filtering``, verl ``filter_groups``).
 
@@ -425,6 +460,7 @@ GROUPS: dict[str, type] = {
     "kl": KLArgs,
     "advantage": AdvantageArgs,
     "update": UpdateArgs,
+    "correction": CorrectionArgs,
     "dynamic_sampling": DynamicSamplingArgs,
     "validation": ValidationArgs,
     "policy": PolicyArgs,
@@ -477,6 +513,12 @@ def check_options(c: Options) -> None:
     if not 0 <= c.shaping.overlong_buffer < c.sampling.max_new_tokens:
         raise ValueError(f"shaping.overlong_buffer must be in [0, sampling.max_new_tokens="
                          f"{c.sampling.max_new_tokens}), got {c.shaping.overlong_buffer}")
+    if c.correction.level != "none" and c.kl.placement == "loss":
+        raise ValueError("correction.level needs kl.placement 'reward' or 'token_reward': with 'loss' the KL term's "
+                         "gradient would stay uncorrected")
+    if c.correction.level == "token" and c.update.updates_per_rollout > 1 and c.update.clip_mode == "sequence":
+        raise ValueError("correction.level='token' gives token advantages; with update.updates_per_rollout > 1 "
+                         "use update.clip_mode='token'")
     if c.update.updates_per_rollout > 1 and c.kl.placement == "token_reward" and c.update.clip_mode == "sequence":
         raise ValueError("kl.placement='token_reward' gives token advantages; with update.updates_per_rollout > 1 "
                          "use update.clip_mode='token'")

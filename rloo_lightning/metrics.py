@@ -63,7 +63,18 @@ def train_metric_sums(rollout, entropy: Tensor, loss: Tensor) -> dict[str, tuple
         "train/loss": (loss.detach(), torch.tensor(1.0)),
     }
     if rollout.kl is not None:
-        sums["train/kl"] = (rollout.kl.sum(), rows)
+        kl = rollout.kl
+        weights = rollout.is_weights
+        if weights is not None:  # samples from pi_s: the importance-weighted estimate of the KL under pi_theta
+            kl = weights * kl if weights.dim() == 1 else (weights * rollout.token_kl).sum(1)
+        sums["train/kl"] = (kl.sum(), rows)
+    for name, pair in (rollout.mismatch or {}).items():
+        sums[f"train/{name}"] = pair
+    if rollout.is_weights is not None:
+        w = rollout.is_weights
+        on = torch.ones_like(w) if w.dim() == 1 else mask  # per sample, or per completion token
+        sums["train/correction/weight_mean"] = ((w * on).sum(), on.sum())
+        sums["train/correction/zero_fraction"] = (((w == 0).float() * on).sum(), on.sum())
     for name, (total, count) in (rollout.clip_stats or {}).items():
         sums[f"train/{name}"] = (torch.as_tensor(total), torch.as_tensor(count))
     for name, values in rollout.scores.items():

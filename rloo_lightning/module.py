@@ -16,9 +16,10 @@ from rloo_lightning.callbacks.base import RolloutHook, ValidateAtStart
 from rloo_lightning.callbacks.checkpoint import FinalCheckpoint
 from rloo_lightning.callbacks.predict import PredictionWriter
 from rloo_lightning.config import (
-    AdvantageArgs, DynamicSamplingArgs, KLArgs, PolicyArgs, PredictArgs, RewardArgs, SamplingArgs, ShapingArgs,
+    AdvantageArgs, CorrectionArgs, DynamicSamplingArgs, KLArgs, PolicyArgs, PredictArgs, RewardArgs, SamplingArgs, ShapingArgs,
     UpdateArgs, ValidationArgs, GROUPS, Options, as_group, check_options, renamed_error, to_primitives,
 )
+from rloo_lightning.correction import importance_weights, mismatch_sums, weighted_advantages
 from rloo_lightning.dynamic_sampling import fill_informative
 from rloo_lightning.kl import fold_kl, mix_into_reference, reward_to_go, token_rewards_after_baseline
 from rloo_lightning.logprobs import sequence_logprobs
@@ -59,6 +60,8 @@ class RLOOModule(LightningModule):
         kl: the KL term and the reference (``KLArgs``: ``beta``, ``estimator``, ``placement``...).
         advantage: the baseline and advantage transforms (``AdvantageArgs``).
         update: the loss, rollout reuse, micro-batching, NaN handling, warm-up (``UpdateArgs``).
+        correction: importance correction for an engine that is not exactly pi_theta, off by default
+            (``CorrectionArgs``).
         dynamic_sampling: DAPO's dynamic sampling, off by default (``DynamicSamplingArgs``).
         validation: what ``val/*`` measures (``ValidationArgs``).
         policy: loading and training the policy: GGUF, LoRA, gradient checkpointing (``PolicyArgs``).
@@ -80,6 +83,7 @@ class RLOOModule(LightningModule):
         kl: KLArgs = KLArgs(),
         advantage: AdvantageArgs = AdvantageArgs(),
         update: UpdateArgs = UpdateArgs(),
+        correction: CorrectionArgs = CorrectionArgs(),
         dynamic_sampling: DynamicSamplingArgs = DynamicSamplingArgs(),
         validation: ValidationArgs = ValidationArgs(),
         policy: PolicyArgs = PolicyArgs(),
@@ -95,7 +99,7 @@ class RLOOModule(LightningModule):
         if renamed:
             raise renamed_error(sorted(renamed), where="")
         given = dict(rewards=rewards, sampling=sampling, shaping=shaping, kl=kl, advantage=advantage, update=update,
-                     dynamic_sampling=dynamic_sampling, validation=validation, policy=policy, predict=predict)
+                     correction=correction, dynamic_sampling=dynamic_sampling, validation=validation, policy=policy, predict=predict)
         cfg = {name: as_group(GROUPS[name], value) for name, value in given.items()}
         self.cfg = Options(**cfg)
         check_options(self.cfg)
@@ -252,7 +256,7 @@ class RLOOModule(LightningModule):
         with self.timer("policy_forward"):
             if len(rows) == 1:
                 logp, entropy = self.logprobs(self.policy, rollout, with_entropy=True)
-            elif fresh and (self.has_reference or c.update.updates_per_rollout > 1):
+            elif fresh and (self.has_reference or c.update.updates_per_rollout > 1 or rollout.sampler_logp is not None):
                 with torch.no_grad():
                     logp = torch.cat([self.logprobs(self.policy, rollout, r)[0] for r in rows])
         if fresh:
@@ -265,6 +269,11 @@ class RLOOModule(LightningModule):
                 rollout.token_kl, rollout.kl, rollout.shaped_rewards = fold_kl(
                     rollout.rewards, logp.detach(), rollout.ref_logp, mask, self.beta, c.kl.estimator, c.kl.clamp,
                     c.kl.placement)
+            if rollout.sampler_logp is not None:
+                # An engine that reports log pi_s: how far it is from pi_theta, and (correction.level) the detached
+                # weights pi_theta/pi_s for step 6. Kept for a reused rollout's later updates, whose clipped ratio
+                # is pi_theta/pi_theta_old: the weight corrects pi_theta_old vs the sampler, once.
+                self.correct_sampler(rollout, logp.detach())
             # 5. Leave-one-out advantages per prompt group: A_i = R_i - mean_{j != i} R_j (paper Eq. 4).
             #    Callbacks see the rollout first; rows they drop count as missing (advantage 0).
             self.compute_advantages(rollout)
@@ -321,6 +330,14 @@ class RLOOModule(LightningModule):
                     logp = torch.cat([self.logprobs(self.policy, rollout, r)[0] for r in rows])
         return logp.clone() if logp.is_inference() else logp  # a normal tensor: the loss may save it
 
+    def correct_sampler(self, rollout: Rollout, logp: Tensor) -> None:
+        """The sampler's mismatch sums (``train/mismatch/*``) and, with ``correction.level``, ``rollout.is_weights``."""
+        c = self.cfg.correction
+        rollout.mismatch = mismatch_sums(logp, rollout.sampler_logp, rollout.completion_mask)
+        if c.level != "none":
+            rollout.is_weights = importance_weights(logp, rollout.sampler_logp, rollout.completion_mask, c.level,
+                                                    c.mode, c.cap, c.lower)
+
     def compute_advantages(self, rollout: Rollout) -> None:
         """Step 5: rows to keep, the rollout hooks, the baseline; fills ``keep``, ``advantages`` (and token ones)."""
         c, mask = self.cfg, rollout.completion_mask
@@ -348,6 +365,8 @@ class RLOOModule(LightningModule):
         denominators = loss_denominators(rollout, self.reduce_across_ranks, self.world_size,
                                          c.update.loss_norm_constant or c.sampling.max_new_tokens)
         advantages = rollout.token_advantages if rollout.token_advantages is not None else rollout.advantages
+        if rollout.is_weights is not None:  # correction.level: w_i (or w_it) times (R_i - b_i), detached
+            advantages = weighted_advantages(advantages, rollout.is_weights)
         rollout.clip_stats = {}
 
         def loss_of_rows(r: slice) -> tuple[Tensor, Tensor | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -45,6 +46,10 @@ class Rollout:
         old_logp: ``[B, T]`` the sampling policy's log-probs, set after the first update when the
             rollout is reused (``update.updates_per_rollout > 1``); the later updates' importance ratio.
         clip_stats: ``{name: (sum, count)}`` clip fractions of a reused rollout's update.
+        sampler_logp: ``[B, T]`` log pi_s of each sampled token under the engine's own distribution (0 off the
+            mask), when the engine reports it; None for an engine that samples from pi_theta itself.
+        mismatch: ``{name: (sum, count)}`` of :func:`~rloo_lightning.correction.mismatch_sums` (with ``sampler_logp``).
+        is_weights: ``[B]`` or ``[B, T]`` detached importance weights pi_theta/pi_s (``correction.level``), else None.
     """
 
     k: int
@@ -67,6 +72,9 @@ class Rollout:
     ref_logp: Tensor | None = None
     old_logp: Tensor | None = None
     clip_stats: dict = field(default_factory=dict)
+    sampler_logp: Tensor | None = None
+    mismatch: dict = field(default_factory=dict)
+    is_weights: Tensor | None = None
 
     @property
     def num_prompts(self) -> int:
@@ -114,6 +122,7 @@ def concat_groups(parts: list[tuple[Rollout, list[int]]], pad_token_id: int) -> 
         columns={c: [r.columns[c][i] for r, idx in rows for i in idx] for c in rows[0][0].columns},
         scores={n: cat(lambda r, n=n: r.scores[n]) for n in names},
         rewards=cat(lambda r: r.rewards),
+        sampler_logp=None if rows[0][0].sampler_logp is None else cat(lambda r: r.sampler_logp, comp_w, 0.0),
     )
 
 
@@ -251,12 +260,17 @@ class GenerationEngine:
           ids, ``max_new_tokens``); nothing from the model's shipped generation config;
         - be deterministic given ``seed`` and leave the global RNG as it was;
         - return ``[B, T']`` completion ids, ``T' <= max_new_tokens``, right-padded with any id
-          after a completion's first EOS (the module's mask ends at the first EOS / stop string).
+          after a completion's first EOS (the module's mask ends at the first EOS / stop string);
+        - or ``(ids, logprobs)``: with ``[B, T']`` log-probabilities of each sampled token under the
+          distribution the engine actually sampled from (its temperature and truncation included). An
+          engine that is not exactly pi_theta (reduced precision, quantized, other kernels) should: the
+          module then logs ``train/mismatch/*`` and can correct for it (``correction.level``).
     """
 
     def generate(self, model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor,
                  generation_config: GenerationConfig, seed: int) -> Tensor:
-        """Completion ids ``[B, T']`` for ``B`` left-padded prompts ``[B, P]`` (already repeated k times)."""
+        """Completion ids ``[B, T']`` (or ``(ids, logprobs)``) for ``B`` left-padded prompts ``[B, P]`` (already
+        repeated k times)."""
         raise NotImplementedError
 
     def on_weights_updated(self, model) -> None:
@@ -264,7 +278,21 @@ class GenerationEngine:
 
 
 class HFGenerateEngine(GenerationEngine):
-    """``model.generate`` with the KV cache, in eval mode, stopping when every row has ended."""
+    """``model.generate`` with the KV cache, in eval mode, stopping when every row has ended.
+
+    Args:
+        return_logprobs: also return log pi_s of each sampled token, from the processed logits ``generate``
+            sampled from (temperature and any top-k / top-p applied): the mismatch diagnostics then measure
+            how far cached decoding is from the training forward.
+        sampler_temperature: sample at this temperature instead of ``sampling.temperature`` (the log-probs
+            follow it): a sampler that differs from pi_theta by a known amount, to test the correction.
+    """
+
+    def __init__(self, return_logprobs: bool = False, sampler_temperature: float | None = None) -> None:
+        if sampler_temperature is not None and sampler_temperature <= 0:
+            raise ValueError(f"sampler_temperature must be > 0, got {sampler_temperature}")
+        self.return_logprobs = return_logprobs or sampler_temperature is not None
+        self.sampler_temperature = sampler_temperature
 
     def generate(self, model, tokenizer, prompt_ids, prompt_mask, generation_config, seed):
         # A peft wrapper generates with its base model's generation_config.
@@ -274,16 +302,26 @@ class HFGenerateEngine(GenerationEngine):
         # suppress_tokens, ... would truncate the sampler); an empty one leaves nothing to merge.
         base.generation_config = GenerationConfig()
         model.eval()  # eval: no dropout, and transformers keeps the KV cache even when checkpointing
+        if self.sampler_temperature is not None and generation_config.do_sample:
+            generation_config = copy.deepcopy(generation_config)
+            generation_config.temperature = self.sampler_temperature
+        logprobs = self.return_logprobs and generation_config.do_sample
         try:
             with _seeded_global_rng(seed, prompt_ids.device):
                 out = model.generate(
                     input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config,
                     tokenizer=tokenizer if generation_config.stop_strings else None,
+                    output_scores=logprobs, return_dict_in_generate=logprobs,
                 )
         finally:
             model.train(was_training)
             base.generation_config = shipped
-        return out[:, prompt_ids.shape[1] :]
+        if not logprobs:
+            return out[:, prompt_ids.shape[1] :]
+        ids = out.sequences[:, prompt_ids.shape[1] :]
+        # scores: one [B, V] tensor per generated position, the processed logits that were sampled from.
+        scores = torch.stack(out.scores, dim=1).float()
+        return ids, torch.log_softmax(scores, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
 
 
 @contextlib.contextmanager
@@ -340,6 +378,13 @@ def generate_rollout(
     engine = engine or HFGenerateEngine()
     with grad_free if grad_free is not None else torch.no_grad():
         completion_ids = engine.generate(model, tokenizer, prompt_ids, prompt_mask, generation_config, seed)
+    sampler_logp = None
+    if isinstance(completion_ids, (tuple, list)):  # the engine reported log pi_s of what it sampled
+        completion_ids, sampler_logp = completion_ids
+        if sampler_logp.shape != completion_ids.shape:
+            raise ValueError(f"{type(engine).__name__}.generate returned log-probs of shape "
+                             f"{tuple(sampler_logp.shape)} for ids of shape {tuple(completion_ids.shape)}")
+        sampler_logp = sampler_logp.clone() if sampler_logp.is_inference() else sampler_logp
     if completion_ids.is_inference():
         completion_ids = completion_ids.clone()
     eos = generation_config.eos_token_id
@@ -355,6 +400,8 @@ def generate_rollout(
         mask = torch.where(stopped[:, None], (positions[None] < ends[:, None]).float(), mask)
         ended = ended | stopped
     truncated = ~ended
+    if sampler_logp is not None:  # 0 off the mask, where -inf (a pad the sampler ruled out) may stand
+        sampler_logp = torch.where(mask.bool(), sampler_logp.float(), torch.zeros_like(mask))
     rollout = Rollout(
         k=k,
         prompt_ids=prompt_ids,
@@ -365,6 +412,7 @@ def generate_rollout(
         prompts=[p for p in prompts for _ in range(k)],
         completions=[],
         columns={name: [v for v in values for _ in range(k)] for name, values in columns.items()},
+        sampler_logp=sampler_logp,
     )
     rollout.completions = tokenizer.batch_decode(
         rollout.completion_token_lists(), skip_special_tokens=True

@@ -1,0 +1,140 @@
+"""A sampler that is not exactly pi_theta: the engine's log-probs, mismatch diagnostics, importance weights."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from module_helpers import PROMPTS, configured_module, prompt_batch
+from rloo_lightning.config import CorrectionArgs
+from rloo_lightning.correction import importance_weights, mismatch_sums, weighted_advantages
+from rloo_lightning.rollout import HFGenerateEngine
+
+# two sequences of 3 tokens; the second has 2 (its last position is padding)
+LOGP = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, -9.0]])
+SAMPLER = torch.tensor([[-1.0, -1.0, -1.5], [-0.2, -2.0, -1.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+# log r = logp - sampler on the mask: [0, -1, 1] and [0.1, -1]
+
+
+def test_sequence_and_token_weights_by_hand():
+    seq = importance_weights(LOGP, SAMPLER, MASK, "sequence", cap=None)
+    torch.testing.assert_close(seq, torch.tensor([math.exp(0.0), math.exp(-0.9)]))
+    torch.testing.assert_close(importance_weights(LOGP, SAMPLER, MASK, "sequence", cap=0.5),
+                               torch.tensor([0.5, math.exp(-0.9)]))
+    tok = importance_weights(LOGP, SAMPLER, MASK, "token", cap=2.0)
+    torch.testing.assert_close(tok, torch.tensor([[1.0, math.exp(-1), 2.0], [math.exp(0.1), math.exp(-1), 0.0]]))
+    # mask mode: a weight outside [1/cap, cap] is 0, one inside is kept as it is
+    masked = importance_weights(LOGP, SAMPLER, MASK, "token", mode="mask", cap=2.0)
+    torch.testing.assert_close(masked, torch.tensor([[1.0, 0.0, 0.0], [math.exp(0.1), 0.0, 0.0]]))
+    lower = importance_weights(LOGP, SAMPLER, MASK, "sequence", mode="mask", cap=2.0, lower=0.1)
+    torch.testing.assert_close(lower, torch.tensor([1.0, math.exp(-0.9)]))
+    assert not importance_weights(LOGP.requires_grad_(), SAMPLER, MASK, "token").requires_grad  # detached
+    LOGP.requires_grad_(False)
+
+
+def test_mismatch_sums_by_hand():
+    sums = {name: (float(s), float(n)) for name, (s, n) in mismatch_sums(LOGP, SAMPLER, MASK).items()}
+    deltas = [0.0, -1.0, 1.0, 0.1, -1.0]
+    assert sums["mismatch/kl_k1"] == pytest.approx((-sum(deltas), 5.0))
+    assert sums["mismatch/kl_k3"] == pytest.approx((sum(math.exp(d) - 1 - d for d in deltas), 5.0))
+    # ratios e^-1 = 0.37 and e^1 = 2.72 are outside [0.5, 2]; those and e^0.1 = 1.105 outside [0.9, 1.1]
+    assert sums["mismatch/ratio_outside_0.5_2.0"] == pytest.approx((3.0, 5.0))
+    assert sums["mismatch/ratio_outside_0.9_1.1"] == pytest.approx((4.0, 5.0))
+    assert sums["mismatch/seq_log_ratio"] == pytest.approx((0.0 - 0.9, 2.0))
+    assert sums["mismatch/seq_log_ratio_sq"] == pytest.approx((0.81, 2.0))
+
+
+def test_weighted_advantages_shapes():
+    adv = torch.tensor([1.0, -2.0])
+    torch.testing.assert_close(weighted_advantages(adv, torch.tensor([0.5, 2.0])), torch.tensor([0.5, -4.0]))
+    token = weighted_advantages(adv, torch.tensor([[1.0, 2.0], [0.5, 0.0]]))
+    torch.testing.assert_close(token, torch.tensor([[1.0, 2.0], [-1.0, 0.0]]))
+    torch.testing.assert_close(weighted_advantages(torch.ones(2, 2), torch.tensor([3.0, 0.5])),
+                               torch.tensor([[3.0, 3.0], [0.5, 0.5]]))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"level": "seq"}, "correction.level must be one of"),
+    ({"mode": "clip"}, "correction.mode must be one of"),
+    ({"cap": 0}, "correction.cap must be > 0"),
+    ({"cap": 2.0, "lower": 3.0}, r"correction.lower must be in \[0, correction.cap\)"),
+])
+def test_bad_correction_options(bad, match):
+    with pytest.raises(ValueError, match=match):
+        CorrectionArgs(**bad)
+
+
+def test_correction_refuses_kl_in_the_loss(tiny_model_dir):
+    from rloo_lightning import RLOOModule
+
+    with pytest.raises(ValueError, match="correction.level needs kl.placement"):
+        RLOOModule(tiny_model_dir, rewards={"funcs": ["rloo_lightning.tasks.reverse.reward"]},
+                   kl={"placement": "loss"}, correction={"level": "sequence"})
+
+
+# -- the engine's log-probs and the module ---------------------------------------------------------------------
+@pytest.mark.parametrize("sampler_temperature", [None, 2.0])
+def test_engine_logprobs_are_those_of_the_distribution_it_sampled(tiny_model_dir, sampler_temperature):
+    """The reported log pi_s equals the training forward's log-probs at the sampler's temperature."""
+    engine = HFGenerateEngine(return_logprobs=True, sampler_temperature=sampler_temperature)
+    module = configured_module(tiny_model_dir, k=4, generation_engine=engine, kl={"beta": 0.0})
+    rollout = module.sample(prompt_batch(module.tokenizer), 4, seed=3)
+    assert rollout.sampler_logp is not None and rollout.sampler_logp.shape == rollout.completion_ids.shape
+    module.eval()
+    with torch.no_grad():
+        at_sampler = module.logprobs(module.policy, rollout)[0] if sampler_temperature is None else (
+            _logprobs_at(module, rollout, sampler_temperature))
+    mask = rollout.completion_mask.bool()
+    torch.testing.assert_close(rollout.sampler_logp[mask], at_sampler[mask], rtol=0, atol=1e-4)
+    assert (rollout.sampler_logp[~mask] == 0).all()
+    if sampler_temperature is None:  # the fp32 engine is pi_theta: the diagnostics say so
+        module.correct_sampler(rollout, module.logprobs(module.policy, rollout)[0].detach())
+        k3, ratio = rollout.mismatch["mismatch/kl_k3"], rollout.mismatch["mismatch/ratio_outside_0.9_1.1"]
+        assert float(k3[0] / k3[1]) < 1e-8 and float(ratio[0]) == 0
+
+
+def _logprobs_at(module, rollout, temperature):
+    from rloo_lightning.logprobs import sequence_logprobs
+
+    return sequence_logprobs(module.policy, rollout, slice(None), temperature, False)[0]
+
+
+def test_diagnostics_and_sequence_weights_in_the_step(tiny_model_dir):
+    """A sampler at temperature 2 against pi_theta at 1: material mismatch, logged; the loss is w_i * A_i."""
+    engine = HFGenerateEngine(sampler_temperature=2.0)
+    module = configured_module(tiny_model_dir, k=4, generation_engine=engine, kl={"beta": 0.0},
+                               correction={"level": "sequence", "cap": None})
+    rollout = module.sample(prompt_batch(module.tokenizer), 4, seed=3)
+    rollout.rewards = torch.rand(len(PROMPTS) * 4, generator=torch.Generator().manual_seed(0))
+    loss, _ = module.rollout_loss(rollout)
+    logp = module.logprobs(module.policy, rollout)[0].detach()
+    mask = rollout.completion_mask
+    weights = torch.exp(((logp - rollout.sampler_logp) * mask).sum(1))
+    torch.testing.assert_close(rollout.is_weights, weights)
+    expected = -(weights * rollout.advantages * (logp * mask).sum(1)).sum() / mask.shape[0]
+    torch.testing.assert_close(loss.detach(), expected)
+    kl_k3 = rollout.mismatch["mismatch/kl_k3"]
+    assert float(kl_k3[0] / kl_k3[1]) > 1e-3  # temperature 2 vs 1 (the random tiny model is near uniform)
+    metrics = module.log_train_metrics(rollout, torch.zeros_like(mask), loss.detach())
+    assert {"train/mismatch/kl_k1", "train/mismatch/ratio_outside_0.5_2.0", "train/correction/weight_mean"} <= set(
+        metrics)
+
+
+def test_reused_rollout_keeps_the_sampler_weights(tiny_model_dir):
+    """updates_per_rollout > 1: w = pi_theta_old / pi_s is fixed at the first update; the clipped ratio does the rest."""
+    engine = HFGenerateEngine(sampler_temperature=1.5)
+    module = configured_module(tiny_model_dir, k=4, generation_engine=engine, kl={"beta": 0.0},
+                               correction={"level": "token"}, update={"updates_per_rollout": 2, "clip_mode": "token"})
+    rollout = module.sample(prompt_batch(module.tokenizer), 4, seed=3)
+    rollout.rewards = torch.rand(len(PROMPTS) * 4, generator=torch.Generator().manual_seed(0))
+    module.rollout_loss(rollout)
+    first = rollout.is_weights.clone()
+    assert rollout.old_logp is not None
+    with torch.no_grad():
+        for p in module.policy.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    module.rollout_loss(rollout)  # the second update on the stored rollout
+    torch.testing.assert_close(rollout.is_weights, first)
