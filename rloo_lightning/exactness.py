@@ -50,6 +50,7 @@ __all__ = [
     "exact_objective",
     "exact_gradient",
     "training_step_draws",
+    "perturbed_table",
     "z_test",
     "check_training_step",
 ]
@@ -197,26 +198,33 @@ class TableSampler(GenerationEngine):
     Independent of the module's log-prob path: a step that computes its log-probs at other positions
     or another temperature than the ones sampled is then measurably biased. Each call draws a fresh
     stream (``seed`` and a call counter): without a trainer the module's step seed does not advance.
+
+    With ``sampler_table`` it samples from that table instead (a sampler pi_s that differs from pi_theta
+    by a known perturbation, as a reduced-precision engine would) and returns ``(ids, log pi_s)``.
     """
 
-    def __init__(self, toy: Toy, seed: int = 0) -> None:
-        self.toy, self.seed, self.calls = toy, seed, 0
+    def __init__(self, toy: Toy, seed: int = 0, sampler_table: Tensor | None = None) -> None:
+        self.toy, self.seed, self.calls, self.sampler_table = toy, seed, 0, sampler_table
 
     def generate(self, model, tokenizer, prompt_ids, prompt_mask, generation_config, seed):
         toy, self.calls = self.toy, self.calls + 1
+        table = toy.policy_table if self.sampler_table is None else self.sampler_table
         g = torch.Generator().manual_seed(hash((self.seed, seed, self.calls)) & (2**62 - 1))
         temperature = generation_config.temperature
         lengths, prev = prompt_mask.sum(1), prompt_ids[:, -1]
         emit = torch.tensor(toy.emit)
         out = torch.full((prompt_ids.shape[0], toy.max_len), tokenizer.pad_token_id, dtype=torch.long)
+        logp = torch.zeros(out.shape, dtype=torch.float32)
         alive = torch.ones(prompt_ids.shape[0], dtype=torch.bool)
         for j in range(min(toy.max_len, generation_config.max_new_tokens)):
-            logits = toy.policy_table[lengths - 1 + j, prev] / temperature  # [B, W]
-            token = emit[torch.multinomial(torch.softmax(logits, -1), 1, generator=g).squeeze(1)]
+            logits = table[lengths - 1 + j, prev] / temperature  # [B, W]
+            choice = torch.multinomial(torch.softmax(logits, -1), 1, generator=g)
+            token = emit[choice.squeeze(1)]
             out[:, j] = torch.where(alive, token, out[:, j])
+            logp[:, j] = torch.where(alive, torch.log_softmax(logits, -1).gather(1, choice).squeeze(1).float(), 0.0)
             alive &= token != toy.eos_id
             prev = token
-        return out
+        return out if self.sampler_table is None else (out, logp)
 
 
 class TableReward:
@@ -235,10 +243,12 @@ class TableReward:
                 for p, ids in zip(prompts, completion_ids)]
 
 
-def toy_module(toy: Toy, options: dict | None = None, seed: int = 0, callbacks: list | None = None):
+def toy_module(toy: Toy, options: dict | None = None, seed: int = 0, callbacks: list | None = None,
+               sampler_table: Tensor | None = None):
     """An :class:`~rloo_lightning.RLOOModule` on the toy: ``options`` are its option groups as dicts.
 
     The sampling temperature and budget are the toy's; ``options["kl"]["beta"]`` defaults to 0.1.
+    ``sampler_table``: the engine samples from it and reports its log-probs (see :class:`TableSampler`).
     """
     from rloo_lightning.module import RLOOModule
 
@@ -246,8 +256,8 @@ def toy_module(toy: Toy, options: dict | None = None, seed: int = 0, callbacks: 
     options.setdefault("sampling", {}).update(temperature=toy.temperature, max_new_tokens=toy.max_len)
     options.setdefault("kl", {}).setdefault("beta", 0.1)
     options.setdefault("validation", {}).setdefault("at_start", False)
-    module = RLOOModule("toy", rewards={"funcs": [TableReward(toy)]}, generation_engine=TableSampler(toy, seed),
-                        **options)
+    module = RLOOModule("toy", rewards={"funcs": [TableReward(toy)]},
+                        generation_engine=TableSampler(toy, seed, sampler_table), **options)
     vocab = len(toy.tokenizer)
     policy = TabularCausalLM(toy.policy_table, vocab, list(toy.emit), toy.eos_id)
     reference = TabularCausalLM(toy.ref_table, vocab, list(toy.emit), toy.eos_id)
@@ -263,13 +273,13 @@ def toy_batch(toy: Toy, repeats: int) -> dict:
 
 
 def training_step_draws(toy: Toy, num_draws: int, repeats: int = 16, options: dict | None = None,
-                        seed: int = 0) -> Tensor:
+                        seed: int = 0, sampler_table: Tensor | None = None) -> Tensor:
     """``[n, D]`` float64: ``-grad`` of ``RLOOModule.training_step``'s loss on ``n`` independent batches.
 
     Each batch holds every prompt ``repeats`` times (``k`` samples each), so each draw estimates
     ``grad J`` averaged over the prompts, as :func:`exact_objective` is.
     """
-    module = toy_module(toy, options, seed)
+    module = toy_module(toy, options, seed, sampler_table=sampler_table)
     batch = toy_batch(toy, repeats)
     draws = []
     for i in range(num_draws):
@@ -281,11 +291,21 @@ def training_step_draws(toy: Toy, num_draws: int, repeats: int = 16, options: di
     return torch.stack(draws)
 
 
+def perturbed_table(toy: Toy, scale: float = 0.5, seed: int = 1) -> Tensor:
+    """A sampler's table: the policy's logits plus ``scale * N(0, 1)`` (a known, material mismatch)."""
+    g = torch.Generator().manual_seed(seed)
+    return toy.policy_table + scale * torch.randn(toy.policy_table.shape, generator=g, dtype=torch.float64)
+
+
 def check_training_step(toy: Toy, num_draws: int = 200, repeats: int = 16, options: dict | None = None,
-                        seed: int = 0, alpha: float = 1e-3) -> ZTest:
-    """Draw ``num_draws`` estimates from the module's training step and z-test their mean against ``grad J``."""
+                        seed: int = 0, alpha: float = 1e-3, sampler_table: Tensor | None = None) -> ZTest:
+    """Draw ``num_draws`` estimates from the module's training step and z-test their mean against ``grad J``.
+
+    ``sampler_table``: completions come from this table's pi_s (reported to the module), not from pi_theta,
+    while ``grad J`` stays the gradient under pi_theta: only a correct importance correction is unbiased.
+    """
     beta = float(((options or {}).get("kl") or {}).get("beta", 0.1))
-    draws = training_step_draws(toy, num_draws, repeats, options, seed)
+    draws = training_step_draws(toy, num_draws, repeats, options, seed, sampler_table)
     return z_test(draws, exact_gradient(toy, beta), alpha)
 
 

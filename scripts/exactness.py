@@ -7,6 +7,7 @@ then a markdown table. Reproduce ``docs/exactness.md``:
 
     python scripts/exactness.py            # about 2 minutes on 2 CPU cores
     python scripts/exactness.py --quick    # 5x fewer draws
+    python scripts/exactness.py --corrections-only   # the importance-correction table of docs/correction.md
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import asdict
 
 import torch
 
-from rloo_lightning.exactness import check_training_step, make_toy
+from rloo_lightning.exactness import check_training_step, make_toy, perturbed_table
 
 KS = (2, 4, 8)
 BETAS = (0.0, 0.1)
@@ -41,6 +42,21 @@ VARIANTS: dict[str, dict] = {
 }
 
 
+# A sampler pi_s that is not pi_theta (the policy's logits + 0.5 N(0, 1), reporting its log-probs), and the
+# importance corrections: name -> the correction group.
+MISMATCH_SCALE = 0.5
+CORRECTIONS: dict[str, dict] = {
+    "uncorrected": {},
+    "sequence, untruncated": {"level": "sequence", "cap": None},
+    "sequence, TIS cap 2": {"level": "sequence", "cap": 2.0},
+    "sequence, TIS cap 1": {"level": "sequence", "cap": 1.0},
+    "sequence, mask [1/1.5, 1.5]": {"level": "sequence", "mode": "mask", "cap": 1.5},
+    "token, untruncated": {"level": "token", "cap": None},
+    "token, TIS cap 2": {"level": "token", "cap": 2.0},
+    "token, mask [0.5, 2]": {"level": "token", "mode": "mask", "cap": 2.0},
+}
+
+
 def with_k_beta(options: dict, k: int, beta: float) -> dict:
     out = {group: dict(values) for group, values in options.items()}
     out.setdefault("sampling", {})["k"] = k
@@ -54,13 +70,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=16, help="copies of each prompt in a batch")
     parser.add_argument("--alpha", type=float, default=1e-3, help="family-wise false-alarm rate (Bonferroni)")
     parser.add_argument("--quick", action="store_true", help="5x fewer draws")
+    parser.add_argument("--corrections-only", action="store_true",
+                        help="only the sampler-mismatch table (docs/correction.md)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message=".*self.log.*")
     torch.set_num_threads(1)
     draws = args.draws // 5 if args.quick else args.draws
     toy = make_toy()
     results, start = [], time.perf_counter()
-    for name, options in VARIANTS.items():
+    for name, options in {} if args.corrections_only else VARIANTS.items():
         for k in KS:
             for beta in BETAS:
                 if beta == 0 and name.startswith("kl."):
@@ -68,13 +86,25 @@ def main() -> None:
                 z = check_training_step(toy, draws, args.repeats, with_k_beta(options, k, beta), seed=k,
                                         alpha=args.alpha)
                 results.append({"variant": name, "k": k, "beta": beta, **asdict(z)})
-    report = {"draws": draws, "repeats": args.repeats, "alpha": args.alpha,
-              "seconds": round(time.perf_counter() - start, 1), "results": results}
+    sampler = perturbed_table(toy, MISMATCH_SCALE)
+    corrections = []
+    for name, correction in CORRECTIONS.items():
+        for beta in BETAS:
+            z = check_training_step(toy, draws, args.repeats, with_k_beta({"correction": correction}, 4, beta),
+                                    seed=4, alpha=args.alpha, sampler_table=sampler)
+            corrections.append({"correction": name, "k": 4, "beta": beta, **asdict(z)})
+    report = {"draws": draws, "repeats": args.repeats, "alpha": args.alpha, "mismatch_scale": MISMATCH_SCALE,
+              "seconds": round(time.perf_counter() - start, 1), "results": results, "corrections": corrections}
     print(json.dumps(report))
     print("\n| variant | k | beta | unbiased | max abs z | scale |\n|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['variant']} | {r['k']} | {r['beta']} | {'yes' if r['unbiased'] else '**no**'} | "
               f"{r['max_abs_z']:.1f} | {r['scale']:.3f} |")
+    print("\n| sampler pi_s != pi_theta, correction | beta | unbiased | max abs z | relative bias | variance (trace) |"
+          "\n|---|---|---|---|---|---|")
+    for r in corrections:
+        print(f"| {r['correction']} | {r['beta']} | {'yes' if r['unbiased'] else '**no**'} | {r['max_abs_z']:.1f} | "
+              f"{r['relative_bias']:.3f} | {r['variance_trace']:.5f} |")
 
 
 if __name__ == "__main__":

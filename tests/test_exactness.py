@@ -231,3 +231,18 @@ def test_planted_bug_is_caught(toy, bug, monkeypatch):
     for owner, attribute, make in BUGS[bug]:
         monkeypatch.setattr(owner, attribute, make(getattr(owner, attribute)))
     assert _caught(toy), f"planted bug {bug!r} passed every check"
+
+
+# -- a sampler that is not pi_theta: the importance correction -----------------------------------------------
+@pytest.mark.parametrize("correction, unbiased", [
+    ({}, False),  # samples from pi_s, no correction: biased
+    ({"level": "sequence", "cap": None}, True),  # plain sequence importance weights: unbiased
+    ({"level": "sequence", "cap": 1.0}, False),  # truncated (TIS) at 1: biased, as documented
+    ({"level": "token", "cap": None}, False),  # per-token weights: biased (the mismatch is not per-token only)
+    ({"level": "sequence", "mode": "mask", "cap": 1.5}, False),  # masked outside [1/1.5, 1.5]: biased
+], ids=["uncorrected", "sequence-is", "sequence-tis-1", "token-is", "sequence-mask"])
+def test_importance_correction_against_a_perturbed_sampler(toy, correction, unbiased):
+    from rloo_lightning.exactness import perturbed_table
+
+    result = check_training_step(toy, DRAWS, options={"correction": correction}, sampler_table=perturbed_table(toy))
+    assert result.unbiased == unbiased, result
