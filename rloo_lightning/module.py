@@ -138,6 +138,7 @@ class RLOOModule(LightningModule):
 
     def setup(self, stage: str) -> None:
         # Before any model is loaded (Lightning calls configure_model after this).
+        self.engine.check(self._trainer.strategy.root_device if self._trainer is not None else torch.device("cpu"))
         stage = getattr(stage, "value", stage)  # Lightning passes a TrainerFn ("fit", "validate", ...)
         if self.rewards is None and stage != "predict":
             raise ValueError(f"rewards.funcs must name at least one reward function: {stage} scores completions "

@@ -276,6 +276,9 @@ class GenerationEngine:
     def on_weights_updated(self, model) -> None:
         """Called after each optimizer step; an engine holding its own weights copies them here."""
 
+    def check(self, device: torch.device) -> None:
+        """Called at setup, before any model is loaded: raise if this engine cannot run on ``device``."""
+
 
 class HFGenerateEngine(GenerationEngine):
     """``model.generate`` with the KV cache, in eval mode, stopping when every row has ended.
