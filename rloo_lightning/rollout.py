@@ -305,16 +305,17 @@ class HFGenerateEngine(GenerationEngine):
         # suppress_tokens, ... would truncate the sampler); an empty one leaves nothing to merge.
         base.generation_config = GenerationConfig()
         model.eval()  # eval: no dropout, and transformers keeps the KV cache even when checkpointing
-        if self.sampler_temperature is not None and generation_config.do_sample:
-            generation_config = copy.deepcopy(generation_config)
-            generation_config.temperature = self.sampler_temperature
         logprobs = self.return_logprobs and generation_config.do_sample
+        if logprobs:
+            generation_config = copy.deepcopy(generation_config)
+            generation_config.output_scores = generation_config.return_dict_in_generate = True
+            if self.sampler_temperature is not None:
+                generation_config.temperature = self.sampler_temperature
         try:
             with _seeded_global_rng(seed, prompt_ids.device):
                 out = model.generate(
                     input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config,
                     tokenizer=tokenizer if generation_config.stop_strings else None,
-                    output_scores=logprobs, return_dict_in_generate=logprobs,
                 )
         finally:
             model.train(was_training)
