@@ -5,7 +5,8 @@
     python scripts/sampler_mismatch.py learn --seeds 0 1 2     # quickstart fits: engines x corrections
 
 ``speed``: for each engine (the fp32 policy's own ``generate``, the bf16 copy, the int8 copy), the median
-wall time of one rollout over ``--reps`` interleaved repetitions (after a warm-up that builds the copy),
+wall time of one rollout over ``--reps`` interleaved repetitions; ``fp32-plain`` is the default engine,
+which returns no log-probs, and the speed-ups are against it (after a warm-up that builds the copy),
 and the mismatch of its samples against the training forward (fp32): KL(pi_s||pi_theta) per token (k1,
 k3), the fraction of token ratios outside [0.5, 2] and [0.9, 1.1], the spread of the sequence log-ratio.
 ``learn``: the unchanged quickstart config with an engine and a correction, per seed: val/reward and
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 ENGINES = {
+    "fp32-plain": None,  # the default engine: the policy's own generate, no log-probs (the training default)
     "fp32": None,
     "bf16": {"class_path": "rloo_lightning.engines.ReducedPrecisionEngine", "init_args": {"dtype": "bfloat16"}},
     "int8": {"class_path": "rloo_lightning.engines.ReducedPrecisionEngine", "init_args": {"dtype": "int8"}},
@@ -43,6 +45,8 @@ def _engine(name: str):
     from rloo_lightning.engines import ReducedPrecisionEngine
     from rloo_lightning.rollout import HFGenerateEngine
 
+    if name == "fp32-plain":
+        return HFGenerateEngine()
     if name == "fp32":
         return HFGenerateEngine(return_logprobs=True)
     if name == "tempered1.5":
@@ -93,19 +97,22 @@ def speed(args) -> dict:
             times[name].append(time.perf_counter() - start)
             with torch.inference_mode():
                 logp = module.logprobs(module.policy, rollout)[0]
+            if rollout.sampler_logp is None:
+                continue
             module.correct_sampler(rollout, logp.clone())
             for key, (s, n) in rollout.mismatch.items():
                 total, count = sums[name].get(key, (0.0, 0.0))
                 sums[name][key] = (total + float(s), count + float(n))
-    base = statistics.median(times["fp32"]) if "fp32" in times else None
+    base = statistics.median(times["fp32-plain"]) if "fp32-plain" in times else None
     out = {}
     for name in names:
         median = statistics.median(times[name])
         mismatch = {key: round(s / max(n, 1.0), 6) for key, (s, n) in sums[name].items()}
-        mismatch["mismatch/seq_log_ratio_std"] = round(max(0.0, mismatch["mismatch/seq_log_ratio_sq"]
-                                                           - mismatch["mismatch/seq_log_ratio"] ** 2) ** 0.5, 6)
+        if mismatch:
+            mismatch["mismatch/seq_log_ratio_std"] = round(max(0.0, mismatch["mismatch/seq_log_ratio_sq"]
+                                                               - mismatch["mismatch/seq_log_ratio"] ** 2) ** 0.5, 6)
         out[name] = {"generation_s_median": round(median, 4), "generation_s": [round(t, 4) for t in times[name]],
-                     "speedup_vs_fp32": round(base / median, 3) if base else None, **mismatch}
+                     "speedup_vs_fp32_plain": round(base / median, 3) if base else None, **mismatch}
     return {"model": args.model, "reps": args.reps, "threads": torch.get_num_threads(),
             "rollout": {"prompts": len(batch["prompt"]), "k": k,
                         "max_new_tokens": kwargs["sampling"]["max_new_tokens"]}, "engines": out}
@@ -155,7 +162,8 @@ def main() -> None:
     s = sub.add_parser("speed")
     s.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     s.add_argument("--reps", type=int, default=5)
-    s.add_argument("--engines", nargs="+", default=["fp32", "bf16", "int8", "tempered1.5"], choices=list(ENGINES))
+    s.add_argument("--engines", nargs="+", default=["fp32-plain", "fp32", "bf16", "int8", "tempered1.5"],
+                   choices=list(ENGINES))
     s.add_argument("--threads", type=int, default=None)
     s_learn = sub.add_parser("learn")
     s_learn.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
