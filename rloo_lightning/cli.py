@@ -26,6 +26,12 @@ TRACEBACK_ENV = "RLOO_TRACEBACK"  # set to 1: an error propagates with its full 
 # Lightning's two adverts, logged on every run (logger and checkpoint connectors); dropped by their text.
 _LIGHTNING_TIPS = ("💡 Tip: For seamless cloud logging and experiment tracking",
                    "💡 Tip: For seamless cloud uploads and versioning")
+# torchao (the int8 extra), which transformers imports at every model load once it is installed: its GPU kernels
+# missing on a CPU machine, and torch noting that its enums need no registration. Dropped by their text.
+_THIRD_PARTY_NOISE = {
+    "torchao": ("Failed to load ",),
+    "torch.utils._pytree": ("is an Enum subclass and is now natively supported",),
+}
 # Lightning's own use of a torch API that torch deprecated (lightning/pytorch/utilities/_pytree.py).
 _PYTREE_DEPRECATION = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 # Exception types whose message says it all; other types are named on the error line (NonFiniteError: ...).
@@ -92,11 +98,27 @@ class _DropLightningTips(logging.Filter):
         return not str(record.getMessage()).startswith(_LIGHTNING_TIPS)
 
 
+class _DropMessages(logging.Filter):
+    """Drops the records whose message contains one of ``fragments``; every other record passes."""
+
+    def __init__(self, fragments: tuple[str, ...]) -> None:
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.getMessage())
+        return not any(fragment in message for fragment in self.fragments)
+
+
 def _quiet_third_party() -> None:
     """The CLI run's noise off: Lightning's adverts, its pytree deprecation warning, the weight-loading bar."""
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _DropLightningTips) for f in logger.filters):
         logger.addFilter(_DropLightningTips())
+    for name, fragments in _THIRD_PARTY_NOISE.items():
+        other = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in other.filters):
+            other.addFilter(_DropMessages(fragments))
     warnings.filterwarnings("ignore", message=_PYTREE_DEPRECATION)
     # transformers' "Loading weights" bar off; the hub's download bars stay as they were.
     from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars

@@ -47,6 +47,17 @@ def test_the_two_lightning_tips_are_dropped_and_other_info_passes(caplog):
     assert messages == ["💡 Tip: something else", "GPU available: False, used: False"], messages
 
 
+def test_torchaos_missing_gpu_kernels_and_enum_notes_are_dropped(caplog):
+    """transformers imports torchao (the int8 extra) at every model load: its CPU-machine noise is dropped."""
+    _quiet_third_party()
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("torchao").warning("Failed to load /x/_C_cutlass_90a.abi3.so: Could not load this library")
+        logging.getLogger("torchao").warning("a real torchao warning")
+        logging.getLogger("torch.utils._pytree").warning(
+            "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile")
+    assert [r.getMessage() for r in caplog.records] == ["a real torchao warning"]
+
+
 def test_only_the_pytree_deprecation_warning_is_silenced():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -283,6 +294,7 @@ def test_cli_fit_output_has_no_adverts_or_warnings_and_a_step_bar(runs):
     text = run.log
     assert "💡 Tip" not in text and "litlogger" not in text and "litmodels" not in text, text
     assert "LeafSpec" not in text and "Loading weights" not in text, text
+    assert "Failed to load" not in text and "Enum subclass" not in text, text  # torchao, imported by transformers
     assert "v_num" not in text and "Epoch 0/" not in text, text
     assert "Training: 100%" in text and "3/3" in text, text
     last = [line for line in re.split(r"[\r\n]", run.stdout) if line.startswith("Training: 100%")][-1]
