@@ -138,3 +138,20 @@ def test_reused_rollout_keeps_the_sampler_weights(tiny_model_dir):
             p.add_(0.01 * torch.randn_like(p))
     module.rollout_loss(rollout)  # the second update on the stored rollout
     torch.testing.assert_close(rollout.is_weights, first)
+
+
+def test_dynamic_sampling_keeps_each_samples_sampler_logprobs(tiny_model_dir):
+    """Groups picked from several rounds carry their own log pi_s, padded like their ids."""
+    from rloo_lightning.rollout import concat_groups
+
+    module = configured_module(tiny_model_dir, k=2, generation_engine=HFGenerateEngine(return_logprobs=True))
+    batch = prompt_batch(module.tokenizer)
+    a, b = module.sample(batch, 2, seed=1), module.sample(batch, 2, seed=2)
+    for r in (a, b):
+        module.score(r)
+    joined = concat_groups([(a, [1]), (b, [0, 3])], module.tokenizer.pad_token_id)
+    width = joined.completion_ids.shape[1]
+    for rows, (source, group) in zip([slice(0, 2), slice(2, 4), slice(4, 6)], [(a, 1), (b, 0), (b, 3)]):
+        original = source.sampler_logp[group * 2: group * 2 + 2]
+        torch.testing.assert_close(joined.sampler_logp[rows, : original.shape[1]], original)
+        assert (joined.sampler_logp[rows, original.shape[1]: width] == 0).all()
