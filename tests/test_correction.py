@@ -148,7 +148,7 @@ def test_dynamic_sampling_keeps_each_samples_sampler_logprobs(tiny_model_dir):
     batch = prompt_batch(module.tokenizer)
     a, b = module.sample(batch, 2, seed=1), module.sample(batch, 2, seed=2)
     for r in (a, b):
-        module.score(r)
+        r.rewards = torch.zeros(r.completion_ids.shape[0])
     joined = concat_groups([(a, [1]), (b, [0, 3])], module.tokenizer.pad_token_id)
     width = joined.completion_ids.shape[1]
     for rows, (source, group) in zip([slice(0, 2), slice(2, 4), slice(4, 6)], [(a, 1), (b, 0), (b, 3)]):
