@@ -155,3 +155,14 @@ def test_dynamic_sampling_keeps_each_samples_sampler_logprobs(tiny_model_dir):
         original = source.sampler_logp[group * 2: group * 2 + 2]
         torch.testing.assert_close(joined.sampler_logp[rows, : original.shape[1]], original)
         assert (joined.sampler_logp[rows, original.shape[1]: width] == 0).all()
+
+
+def test_an_engine_returning_misshapen_logprobs_is_named(tiny_model_dir):
+    class Misshapen(HFGenerateEngine):
+        def generate(self, *args):
+            ids = super().generate(*args)
+            return ids, torch.zeros(ids.shape[0], ids.shape[1] + 1)
+
+    module = configured_module(tiny_model_dir, k=2, generation_engine=Misshapen())
+    with pytest.raises(ValueError, match=r"Misshapen.generate returned log-probs of shape"):
+        module.sample(prompt_batch(module.tokenizer), 2, seed=1)
