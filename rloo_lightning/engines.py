@@ -54,6 +54,8 @@ class ReducedPrecisionEngine(GenerationEngine):
         self.refreshes = 0
         self._sampler = HFGenerateEngine(return_logprobs=True)
 
+    reports_logprobs = True
+
     def check(self, device: torch.device) -> None:
         if self.dtype == "bfloat16" and device.type == "cpu" and not cpu_supports_bf16():
             raise RuntimeError("generation_engine ReducedPrecisionEngine(dtype=bfloat16): this CPU has no native "

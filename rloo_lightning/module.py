@@ -112,6 +112,9 @@ class RLOOModule(LightningModule):
                                    "time_phases": time_phases, "checkpoint_every_n_steps": checkpoint_every_n_steps})
         c = self.cfg
         self.engine = generation_engine or HFGenerateEngine()
+        if c.correction.level != "none" and getattr(self.engine, "reports_logprobs", True) is False:
+            raise ValueError(f"correction.level={c.correction.level!r} needs an engine that reports its log-probs; "
+                             f"{type(self.engine).__name__} does not (HFGenerateEngine: return_logprobs=true)")
         self.timer = PhaseTimer(enabled=time_phases)
         # Reward import paths resolve now: a typo fails before any model is loaded. None: predict without scores.
         self.rewards = RewardSet.from_specs(c.rewards.funcs, c.rewards.weights, timeout=c.rewards.timeout,
@@ -270,6 +273,9 @@ class RLOOModule(LightningModule):
                 rollout.token_kl, rollout.kl, rollout.shaped_rewards = fold_kl(
                     rollout.rewards, logp.detach(), rollout.ref_logp, mask, self.beta, c.kl.estimator, c.kl.clamp,
                     c.kl.placement)
+            if rollout.sampler_logp is None and c.correction.level != "none":
+                raise ValueError(f"correction.level={c.correction.level!r}, but {type(self.engine).__name__} returned "
+                                 "no log-probs with its ids: there is nothing to correct with")
             if rollout.sampler_logp is not None:
                 # An engine that reports log pi_s: how far it is from pi_theta, and (correction.level) the detached
                 # weights pi_theta/pi_s for step 6. Kept for a reused rollout's later updates, whose clipped ratio

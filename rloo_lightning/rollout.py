@@ -297,6 +297,11 @@ class HFGenerateEngine(GenerationEngine):
         self.return_logprobs = return_logprobs or sampler_temperature is not None
         self.sampler_temperature = sampler_temperature
 
+    @property
+    def reports_logprobs(self) -> bool:
+        """Whether sampled rollouts come with log pi_s (what ``correction.level`` needs)."""
+        return self.return_logprobs
+
     def generate(self, model, tokenizer, prompt_ids, prompt_mask, generation_config, seed):
         # A peft wrapper generates with its base model's generation_config.
         base = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -166,3 +166,19 @@ def test_an_engine_returning_misshapen_logprobs_is_named(tiny_model_dir):
     module = configured_module(tiny_model_dir, k=2, generation_engine=Misshapen())
     with pytest.raises(ValueError, match=r"Misshapen.generate returned log-probs of shape"):
         module.sample(prompt_batch(module.tokenizer), 2, seed=1)
+
+
+def test_a_correction_needs_an_engine_that_reports_logprobs(tiny_model_dir):
+    from rloo_lightning import RLOOModule
+    from rloo_lightning.exactness import TableSampler, make_toy, toy_batch, toy_module
+
+    with pytest.raises(ValueError, match="correction.level='sequence' needs an engine that reports its log-probs; "
+                                         "HFGenerateEngine does not"):
+        RLOOModule(tiny_model_dir, rewards={"funcs": ["rloo_lightning.tasks.reverse.reward"]},
+                   correction={"level": "sequence"})
+    # an engine that cannot say in advance: the first rollout without log-probs stops the step
+    toy = make_toy()
+    module = toy_module(toy, {"correction": {"level": "token"}})
+    assert isinstance(module.engine, TableSampler)
+    with pytest.raises(ValueError, match="TableSampler returned no log-probs"):
+        module.training_step(toy_batch(toy, 1), 0)
