@@ -16,8 +16,8 @@ from rloo_lightning.callbacks.base import RolloutHook, ValidateAtStart
 from rloo_lightning.callbacks.checkpoint import FinalCheckpoint
 from rloo_lightning.callbacks.predict import PredictionWriter
 from rloo_lightning.config import (
-    AdvantageArgs, CorrectionArgs, DynamicSamplingArgs, KLArgs, PolicyArgs, PredictArgs, RewardArgs, SamplingArgs, ShapingArgs,
-    UpdateArgs, ValidationArgs, GROUPS, Options, as_group, check_options, renamed_error, to_primitives,
+    AdvantageArgs, CorrectionArgs, DynamicSamplingArgs, KLArgs, PolicyArgs, PredictArgs, RewardArgs, SamplingArgs,
+    ShapingArgs, UpdateArgs, ValidationArgs, GROUPS, Options, as_group, check_options, renamed_error, to_primitives,
 )
 from rloo_lightning.correction import importance_weights, mismatch_sums, weighted_advantages
 from rloo_lightning.dynamic_sampling import fill_informative
@@ -99,7 +99,8 @@ class RLOOModule(LightningModule):
         if renamed:
             raise renamed_error(sorted(renamed), where="")
         given = dict(rewards=rewards, sampling=sampling, shaping=shaping, kl=kl, advantage=advantage, update=update,
-                     correction=correction, dynamic_sampling=dynamic_sampling, validation=validation, policy=policy, predict=predict)
+                     correction=correction, dynamic_sampling=dynamic_sampling, validation=validation, policy=policy,
+                     predict=predict)
         cfg = {name: as_group(GROUPS[name], value) for name, value in given.items()}
         self.cfg = Options(**cfg)
         check_options(self.cfg)

@@ -124,7 +124,7 @@ def test_diagnostics_and_sequence_weights_in_the_step(tiny_model_dir):
 
 
 def test_reused_rollout_keeps_the_sampler_weights(tiny_model_dir):
-    """updates_per_rollout > 1: w = pi_theta_old / pi_s is fixed at the first update; the clipped ratio does the rest."""
+    """updates_per_rollout > 1: w = pi_theta_old / pi_s, fixed at the first update; the clipped ratio does the rest."""
     engine = HFGenerateEngine(sampler_temperature=1.5)
     module = configured_module(tiny_model_dir, k=4, generation_engine=engine, kl={"beta": 0.0},
                                correction={"level": "token"}, update={"updates_per_rollout": 2, "clip_mode": "token"})
