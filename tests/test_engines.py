@@ -87,3 +87,21 @@ def test_int8_copy_through_torchao(tiny_model_dir):
     with torch.no_grad():
         gap = (module.logprobs(module.policy, rollout)[0] - rollout.sampler_logp)[mask].abs()
     assert 0 < gap.max() < 0.5
+
+
+@pytest.mark.slow  # a CLI subprocess
+@needs_bf16
+def test_cli_fit_with_the_bf16_engine_and_a_correction_logs_the_mismatch(tmp_path, _cache_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from cli_harness import CONFIGS, make_env, run_cli
+
+    engine = '{"class_path": "rloo_lightning.engines.ReducedPrecisionEngine", "init_args": {"dtype": "bfloat16"}}'
+    run_cli("fit", ["fit", "--config", CONFIGS / "quickstart.yaml", "--trainer.max_steps", "3",
+                    "--model.generation_engine", engine, "--model.correction.level", "sequence",
+                    "--trainer.default_root_dir", tmp_path], tmp_path, make_env(_cache_dir))
+    acc = EventAccumulator(str(tmp_path / "lightning_logs" / "version_0"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/mismatch/kl_k3", "train/mismatch/ratio_outside_0.9_1.1", "train/correction/weight_mean"} <= tags
+    assert len(acc.Scalars("train/mismatch/kl_k3")) == 3
