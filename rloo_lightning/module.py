@@ -274,14 +274,10 @@ class RLOOModule(LightningModule):
                 rollout.token_kl, rollout.kl, rollout.shaped_rewards = fold_kl(
                     rollout.rewards, logp.detach(), rollout.ref_logp, mask, self.beta, c.kl.estimator, c.kl.clamp,
                     c.kl.placement)
-            if rollout.sampler_logp is None and c.correction.level != "none":
-                raise ValueError(f"correction.level={c.correction.level!r}, but {type(self.engine).__name__} returned "
-                                 "no log-probs with its ids: there is nothing to correct with")
-            if rollout.sampler_logp is not None:
-                # An engine that reports log pi_s: how far it is from pi_theta, and (correction.level) the detached
-                # weights pi_theta/pi_s for step 6. Kept for a reused rollout's later updates, whose clipped ratio
-                # is pi_theta/pi_theta_old: the weight corrects pi_theta_old vs the sampler, once.
-                self.correct_sampler(rollout, logp.detach())
+            # 3b. An engine that reports log pi_s: how far it is from pi_theta, and (correction.level) the detached
+            #     weights pi_theta/pi_s for step 6, kept for a reused rollout's later updates (their clipped ratio
+            #     is pi_theta/pi_theta_old: the weight corrects pi_theta_old against the sampler, once).
+            self.correct_sampler(rollout, logp)
             # 5. Leave-one-out advantages per prompt group: A_i = R_i - mean_{j != i} R_j (paper Eq. 4).
             #    Callbacks see the rollout first; rows they drop count as missing (advantage 0).
             self.compute_advantages(rollout)
@@ -338,9 +334,18 @@ class RLOOModule(LightningModule):
                     logp = torch.cat([self.logprobs(self.policy, rollout, r)[0] for r in rows])
         return logp.clone() if logp.is_inference() else logp  # a normal tensor: the loss may save it
 
-    def correct_sampler(self, rollout: Rollout, logp: Tensor) -> None:
-        """The sampler's mismatch sums (``train/mismatch/*``) and, with ``correction.level``, ``rollout.is_weights``."""
+    def correct_sampler(self, rollout: Rollout, logp: Tensor | None) -> None:
+        """The sampler's mismatch sums (``train/mismatch/*``) and, with ``correction.level``, ``rollout.is_weights``.
+
+        Nothing for an engine that reports no log-probs (``logp`` may then be None), unless a correction is asked.
+        """
         c = self.cfg.correction
+        if rollout.sampler_logp is None:
+            if c.level != "none":
+                raise ValueError(f"correction.level={c.level!r}, but {type(self.engine).__name__} returned no "
+                                 "log-probs with its ids: there is nothing to correct with")
+            return
+        logp = logp.detach()
         rollout.mismatch = mismatch_sums(logp, rollout.sampler_logp, rollout.completion_mask)
         if c.level != "none":
             rollout.is_weights = importance_weights(logp, rollout.sampler_logp, rollout.completion_mask, c.level,
