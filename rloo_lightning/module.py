@@ -14,7 +14,7 @@ from rloo_lightning import sharding
 from rloo_lightning.advantages import AdvantageEstimator
 from rloo_lightning.callbacks.base import RolloutHook, ValidateAtStart
 from rloo_lightning.callbacks.checkpoint import FinalCheckpoint
-from rloo_lightning.callbacks.predict import PredictionWriter
+from rloo_lightning.callbacks.predict import PredictionWriter, prediction_rows
 from rloo_lightning.config import (
     AdvantageArgs, CorrectionArgs, DynamicSamplingArgs, KLArgs, PolicyArgs, PredictArgs, RewardArgs, SamplingArgs,
     ShapingArgs, UpdateArgs, ValidationArgs, GROUPS, Options, as_group, check_options, renamed_error, to_primitives,
@@ -565,19 +565,7 @@ class RLOOModule(LightningModule):
             rollout = self.sample(batch, p.num_samples, self.sampling_seed("predict", batch_idx))
         if self.rewards is not None:
             self.score(rollout, shape=False)
-        lengths = rollout.completion_mask.sum(1).long().tolist()
-        rows = []
-        for i, completion in enumerate(rollout.completions):
-            row = {"prompt": batch["prompt"][i // rollout.k], "sample": i % rollout.k, "completion": completion,
-                   "num_tokens": lengths[i], "truncated": bool(rollout.truncated[i])}
-            if rollout.rewards is not None:
-                value = float(rollout.rewards[i])
-                row["reward"] = None if value != value else value  # NaN (no reward) as JSON null
-                row["scores"] = {name: None if float(v[i]) != float(v[i]) else float(v[i])
-                                 for name, v in rollout.scores.items()}
-            row["columns"] = {name: values[i] for name, values in rollout.columns.items()}
-            rows.append(row)
-        return rows
+        return prediction_rows(rollout, batch["prompt"])
 
     def save_pretrained(self, directory: str) -> None:
         """Write the policy and tokenizer in Hugging Face format (``policy.lora_export`` for a LoRA policy).

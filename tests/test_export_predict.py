@@ -209,3 +209,17 @@ def test_cli_takes_options_from_the_checkpoint_and_the_command_line_wins(trained
     assert config["data"]["task"] == "reverse" and config["data"]["num_train_rows"] == 8
     assert config["model"]["predict"]["num_samples"] == 3  # given on the command line
     assert config["model"]["rewards"]["funcs"] == []  # given: an empty list beats the checkpoint's function
+
+
+def test_prediction_rows_write_a_missing_reward_as_null():
+    from types import SimpleNamespace
+
+    from rloo_lightning.callbacks.predict import prediction_rows
+
+    rollout = SimpleNamespace(k=2, completions=["a", "b"], completion_mask=torch.tensor([[1.0, 0.0], [1.0, 1.0]]),
+                              truncated=torch.tensor([False, True]), rewards=torch.tensor([float("nan"), 0.5]),
+                              scores={"f": torch.tensor([float("nan"), 0.5])}, columns={"answer": ["x", "x"]})
+    rows = prediction_rows(rollout, ["p="])
+    assert [(r["sample"], r["num_tokens"], r["truncated"], r["reward"], r["scores"]) for r in rows] == [
+        (0, 1, False, None, {"f": None}), (1, 2, True, 0.5, {"f": 0.5})]
+    assert json.loads(json.dumps(rows[0]))["reward"] is None

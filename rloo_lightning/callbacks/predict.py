@@ -3,13 +3,43 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_info
 
-__all__ = ["PredictionWriter"]
+__all__ = ["PredictionWriter", "prediction_rows"]
+
+
+def prediction_rows(rollout, prompts: list) -> list[dict]:
+    """One JSON-ready dict per completion of a (scored or unscored) rollout, prompt-major.
+
+    Args:
+        rollout: :class:`~rloo_lightning.rollout.Rollout` of ``len(prompts) * k`` completions.
+        prompts: the batch's prompts as given (strings or messages lists), one per group.
+
+    Returns:
+        ``prompt``, ``sample`` (0..k-1), ``completion``, ``num_tokens``, ``truncated``, then ``reward`` and
+        ``scores`` when the rollout was scored (NaN, no reward, as null), and the row's other ``columns``.
+    """
+    lengths = rollout.completion_mask.sum(1).long().tolist()
+    rows = []
+    for i, completion in enumerate(rollout.completions):
+        row = {"prompt": prompts[i // rollout.k], "sample": i % rollout.k, "completion": completion,
+               "num_tokens": lengths[i], "truncated": bool(rollout.truncated[i])}
+        if rollout.rewards is not None:
+            row["reward"] = _number(rollout.rewards[i])
+            row["scores"] = {name: _number(values[i]) for name, values in rollout.scores.items()}
+        row["columns"] = {name: values[i] for name, values in rollout.columns.items()}
+        rows.append(row)
+    return rows
+
+
+def _number(value) -> float | None:
+    value = float(value)
+    return None if math.isnan(value) else value
 
 
 class PredictionWriter(BasePredictionWriter):
