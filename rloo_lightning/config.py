@@ -312,7 +312,7 @@ class CorrectionArgs:
         level: ``none``; ``sequence``: one detached weight w_i = pi_theta(y_i) / pi_s(y_i) multiplies
             (R_i - b_i) grad log pi_theta(y_i): unbiased when untruncated (``cap: null``), but its variance
             grows fast with the mismatch and the length; ``token``: w_it = pi_theta(y_it|.) / pi_s(y_it|.)
-            per token: far lower variance, biased unless the mismatch is per-token only.
+            per token: far lower variance, biased (it reweights each token but not the prefix it follows).
         mode: ``truncate``: min(w, cap) (TIS): bounded variance, biased toward under-weighting the samples
             pi_theta favours; ``mask``: w inside [lower, cap], 0 outside (the sample or token leaves the
             loss): removes outliers, biased by what it drops.
