@@ -5,7 +5,7 @@ the REINFORCE estimator E_{y~pi_s}[A(y) grad log pi_theta(y)] biased for grad J(
 per sampled token, the sequence weight w(y) = pi_theta(y) / pi_s(y) = prod_t pi_theta(y_t|.) / pi_s(y_t|.)
 makes it unbiased again: E_{pi_s}[w A grad log pi_theta] = E_{pi_theta}[A grad log pi_theta]. The
 leave-one-out baseline stays valid because it excludes sample i (b_i does not depend on y_i). Truncating
-(TIS, Yao et al. 2025; verl's rollout correction) or masking large weights trades that bias for variance;
+(TIS, Yao et al. 2025; verl's rollout correction) or masking large weights buys lower variance with some bias;
 per-token weights are cheaper in variance, and biased: they reweight each token, not the prefix it follows.
 
 All weights are detached: they scale the advantage, never carry gradient.
