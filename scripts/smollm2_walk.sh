@@ -13,7 +13,7 @@ python - <<'PY'
 import json, re
 from pathlib import Path
 from rloo_lightning.tasks import get_task
-readme = Path(__import__("os").environ["REPO"]) / "README.md".read_text()
+readme = (Path(__import__("os").environ["REPO"]) / "README.md").read_text()
 (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if b.startswith("# my_rewards.py")]
 Path("my_rewards.py").write_text(block)
 rows = get_task("arithmetic").make_rows(80, 11)
