@@ -1,0 +1,113 @@
+"""This machine's limits, and the floors they put under a rollout's phases for the benchmark's shapes.
+
+    python scripts/machine_limits.py                 # SmolLM2-135M shapes (4 prompts x k = 4, 48 new tokens)
+    python scripts/machine_limits.py --params 2.3e5  # another model size (parameters)
+
+Measures, with every thread torch uses (``--threads``):
+
+- memory bandwidth: the best of ``--reps`` reads of a 1 GiB fp32 tensor (``sum``, which streams it once)
+  and copies (``copy_``: one read and one write), in GB/s;
+- matmul throughput: the best of ``--reps`` ``[m, 576] x [576, 1536]`` matmuls (SmolLM2's hidden and MLP
+  widths) at ``m`` = 16 rows (one decode step of the benchmark) and ``m`` = 16 x 96 rows (a forward over
+  its whole rollout), in fp32 and bf16, in GFLOP/s.
+
+and derives, for a decoder of ``--params`` parameters (weights in fp32 unless ``--bytes-per-param``):
+
+- one decode step's floor: ``max(weight bytes / bandwidth, 2 * params * rows / decode matmul rate)``
+  (every weight is read once per step; every row costs 2 FLOPs per parameter);
+- a generation's floor: ``max_new_tokens`` decode steps (the prefill is small beside them here);
+- the update's floor: forward + backward of the policy, ``6 * params * tokens`` FLOPs at the large-matmul
+  rate, and the reference forward, ``2 * params * tokens``.
+
+Attention and the LM head's softmax are left out (small at these lengths), so each floor is a lower bound:
+a phase can approach it, never beat it. The update's floor is only as right as ``--prompt-tokens`` and
+``--max-new-tokens`` are for the real rollout (padding trimmed, completions that end early): pass the
+measured token counts. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+HIDDEN, MLP = 576, 1536  # SmolLM2-135M's widths
+
+
+def _best(fn, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def bandwidth(reps: int) -> dict:
+    x = torch.ones(256 * 1024 * 1024)  # 1 GiB of fp32
+    y = torch.empty_like(x)
+    nbytes = x.numel() * 4
+    read = nbytes / _best(lambda: x.sum(), reps) / 1e9
+    copy = 2 * nbytes / _best(lambda: y.copy_(x), reps) / 1e9
+    return {"read_GBps": round(read, 2), "copy_GBps": round(copy, 2)}
+
+
+def matmul_rate(rows: int, dtype: torch.dtype, reps: int) -> float:
+    a = torch.randn(rows, HIDDEN, dtype=dtype)
+    b = torch.randn(HIDDEN, MLP, dtype=dtype)
+    inner = max(1, 2000 // max(1, rows // 16))  # enough work per timing to be above the clock's noise
+
+    def run():
+        for _ in range(inner):
+            torch.mm(a, b)
+
+    return 2 * rows * HIDDEN * MLP * inner / _best(run, reps) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=float, default=134.5e6, help="decoder parameters (SmolLM2-135M: 134.5M)")
+    parser.add_argument("--bytes-per-param", type=float, default=4.0)
+    parser.add_argument("--rows", type=int, default=16, help="sequences decoded together (prompts x k)")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--prompt-tokens", type=int, default=48, help="typical prompt length (the update's tokens)")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bw = bandwidth(args.reps)
+    tokens = args.rows * (args.prompt_tokens + args.max_new_tokens)
+    rates = {f"{name}_m{rows}": round(matmul_rate(rows, dtype, args.reps), 1)
+             for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+             for rows in (args.rows, tokens)}
+    weight_bytes = args.params * args.bytes_per_param
+    decode_memory = weight_bytes / (bw["read_GBps"] * 1e9)
+    decode_compute = 2 * args.params * args.rows / (rates[f"fp32_m{args.rows}"] * 1e9)
+    decode = max(decode_memory, decode_compute)
+    big = rates[f"fp32_m{tokens}"] * 1e9
+    report = {
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "bandwidth": bw,
+        "matmul_GFLOPs": rates,
+        "shapes": {"params": args.params, "bytes_per_param": args.bytes_per_param, "rows": args.rows,
+                   "max_new_tokens": args.max_new_tokens, "update_tokens": tokens},
+        "floors_s": {
+            "decode_step": round(decode, 5),
+            "decode_step_bound_by": "memory" if decode_memory >= decode_compute else "compute",
+            "decode_step_memory": round(decode_memory, 5),
+            "decode_step_compute": round(decode_compute, 5),
+            "generation": round(decode * args.max_new_tokens, 3),
+            "policy_forward_backward": round(6 * args.params * tokens / big, 3),
+            "reference_forward": round(2 * args.params * tokens / big, 3),
+        },
+    }
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
