@@ -39,18 +39,22 @@ _PLAIN_ERRORS = (ValueError, RuntimeError, OSError, FileNotFoundError, ImportErr
                  NotImplementedError, MisconfigurationException)
 
 
+# (module option, data option) pairs the CLI links: one source of truth. The prompts are tokenized by the
+# policy's tokenizer, their lengths checked against its context and completion budget; under rollout reuse the
+# data repeats each batch for the updates made on its rollout.
+LINKS = (("model.model_name_or_path", "data.tokenizer_name_or_path"),
+         ("model.sampling.max_new_tokens", "data.max_new_tokens"),
+         ("model.policy.trust_remote_code", "data.trust_remote_code"),
+         ("model.policy.gguf_file", "data.gguf_file"),
+         ("model.update.updates_per_rollout", "data.repeat_batches"))
+
+
 class RLOOCLI(LightningCLI):
     """LightningCLI with the data module's tokenizer and budgets linked to the model's options."""
 
     def add_arguments_to_parser(self, parser) -> None:
-        # One source of truth: the prompts are tokenized by the policy's tokenizer, and their
-        # lengths are checked against the policy's context and completion budget.
-        parser.link_arguments("model.model_name_or_path", "data.tokenizer_name_or_path")
-        parser.link_arguments("model.sampling.max_new_tokens", "data.max_new_tokens")
-        parser.link_arguments("model.policy.trust_remote_code", "data.trust_remote_code")
-        parser.link_arguments("model.policy.gguf_file", "data.gguf_file")
-        # Rollout reuse: the data repeats each batch for the updates made on its rollout.
-        parser.link_arguments("model.update.updates_per_rollout", "data.repeat_batches")
+        for source, target in LINKS:
+            parser.link_arguments(source, target)
 
     def instantiate_trainer(self, **kwargs):
         """The trainer, with :class:`StepProgressBar` in place of the progress bar Lightning adds by default.
@@ -177,9 +181,9 @@ def _option_value(argv: list[str], name: str) -> str | None:
 def _set_checkpoint_defaults(parser, model: dict, data: dict) -> None:
     """Each module and data option stored in the checkpoint becomes the parser's default for ``model.<name>``
     or ``data.<name>`` (the data's linked options follow the model's)."""
-    linked = {"tokenizer_name_or_path", "max_new_tokens", "trust_remote_code", "gguf_file", "repeat_batches"}
+    linked = {target for _, target in LINKS}
     items = [(f"model.{name}", value) for name, value in model.items()]
-    items += [(f"data.{name}", value) for name, value in data.items() if name not in linked]
+    items += [(f"data.{name}", value) for name, value in data.items() if f"data.{name}" not in linked]
     defaults = {}
     for prefix, value in items:
         for field, v in value.items() if isinstance(value, dict) and prefix.startswith("model.") else [(None, value)]:
