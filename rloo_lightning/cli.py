@@ -81,7 +81,7 @@ class RLOOCLI(LightningCLI):
         # runs after parsing, needs --model.model_name_or_path given and then overrides what was given).
         argv = sys.argv[1:] if args is None else args
         if isinstance(argv, list):
-            subcommand = next((a for a in argv if not a.startswith("-")), None)
+            subcommand = _subcommand_of(argv)
             ckpt = _option_value(argv, "--ckpt_path")
             if subcommand in getattr(self, "_subcommand_parsers", {}) and ckpt:
                 _set_checkpoint_defaults(self._subcommand_parsers[subcommand], *checkpoint_hparams(ckpt))
@@ -241,18 +241,24 @@ def main(args: list[str] | None = None) -> None:
         sys.exit(1)
 
 
+def _subcommand_of(argv: list[str]) -> str | None:
+    """The subcommand named in ``argv`` (``fit``, ``test``, ..., ``export``), wherever it stands: a top-level
+    ``--config file.yaml`` may come before it."""
+    return next((a for a in argv if a in (*LightningCLI.subcommands(), "export")), None)
+
+
 def _subcommand(args: list[str] | None) -> str:
-    args = sys.argv[1:] if args is None else args
-    first = next((a for a in args if not a.startswith("-")), None)
+    first = _subcommand_of(sys.argv[1:] if args is None else args)
     return f"{first} " if first in LightningCLI.subcommands() else ""
 
 
 def _run(args: list[str] | None) -> None:
     argv = sys.argv[1:] if args is None else args
-    if argv[:1] == ["export"]:  # not a Trainer method, so not a LightningCLI subcommand
-        export_main(argv[1:])
+    subcommand = _subcommand_of(argv)
+    if subcommand == "export":  # not a Trainer method, so not a LightningCLI subcommand
+        export_main(argv[argv.index("export") + 1:])
         return
-    if argv[:1] != ["fit"]:
+    if subcommand != "fit":
         # test / predict / validate from a checkpoint run in a new log folder: the checkpoint callback's note
         # that its folder changed is true and harmless there (nothing is saved).
         warnings.filterwarnings("ignore", message="The dirpath has changed from")
