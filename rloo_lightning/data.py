@@ -267,19 +267,11 @@ class PromptDataModule(LightningDataModule):
             if hp.predict_file is None:
                 raise ValueError("predict needs data.predict_file: the prompts to sample completions for")
             if "predict" not in self._loaded:
-                self._load_tokenizer()
-                self.predict_rows = self._tokenize(read_rows(hp.predict_file, hp.val_split, hp.dataset_config),
-                                                   "predict")
-                rank_zero_info(f"PromptDataModule: {len(self.predict_rows)} prompts to predict from "
-                               f"{hp.predict_file}")
-                self._loaded.add("predict")
+                self.predict_rows = self._read_split_file("predict", hp.predict_file)
             return
         if stage == "test" and hp.test_file is not None:
             if "test" not in self._loaded:
-                self._load_tokenizer()
-                self.test_rows = self._tokenize(read_rows(hp.test_file, hp.val_split, hp.dataset_config), "test")
-                rank_zero_info(f"PromptDataModule: {len(self.test_rows)} test prompts from test_file {hp.test_file}")
-                self._loaded.add("test")
+                self.test_rows = self._read_split_file("test", hp.test_file)
             return
         if "fit" not in self._loaded:
             if hp.task is None and hp.train_file is None:
@@ -290,6 +282,14 @@ class PromptDataModule(LightningDataModule):
             self.test_rows = self.val_rows
             rank_zero_info(f"PromptDataModule: no test_file: test evaluates the {len(self.val_rows)} validation "
                            "prompts")
+
+    def _read_split_file(self, split: str, source: str) -> list[dict]:
+        """The tokenized prompts of ``source`` for ``split`` (``test`` or ``predict``), logged and marked as loaded."""
+        self._load_tokenizer()
+        rows = self._tokenize(read_rows(source, self.hparams.val_split, self.hparams.dataset_config), split)
+        rank_zero_info(f"PromptDataModule: {len(rows)} {split} prompts from {split}_file {source}")
+        self._loaded.add(split)
+        return rows
 
     def _load_tokenizer(self) -> None:
         """The policy's tokenizer, its chat-template check and the prompt-length limit (once)."""
