@@ -113,7 +113,7 @@ class RLOOModule(LightningModule):
                                    "time_phases": time_phases, "checkpoint_every_n_steps": checkpoint_every_n_steps})
         c = self.cfg
         self.engine = generation_engine or HFGenerateEngine()
-        if c.correction.level != "none" and getattr(self.engine, "reports_logprobs", True) is False:
+        if c.correction.level != "none" and self.engine.reports_logprobs is False:
             raise ValueError(f"correction.level={c.correction.level!r} needs an engine that reports its log-probs; "
                              f"{type(self.engine).__name__} does not (HFGenerateEngine: return_logprobs=true)")
         self.timer = PhaseTimer(enabled=time_phases)

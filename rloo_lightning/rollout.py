@@ -267,6 +267,10 @@ class GenerationEngine:
           module then logs ``train/mismatch/*`` and can correct for it (``correction.level``).
     """
 
+    #: Whether :meth:`generate` returns ``(ids, logprobs)``: True or False when known in advance, None when
+    #: only a rollout tells (``correction.level`` then fails at the first rollout without log-probs).
+    reports_logprobs: bool | None = None
+
     def generate(self, model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor,
                  generation_config: GenerationConfig, seed: int) -> Tensor:
         """Completion ids ``[B, T']`` (or ``(ids, logprobs)``) for ``B`` left-padded prompts ``[B, P]`` (already
