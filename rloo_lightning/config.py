@@ -260,6 +260,12 @@ class UpdateArgs:
             per rollout: the same update as unsplit, with the activation memory of one micro-batch.
             Lightning's ``accumulate_grad_batches=n`` is different and composes with it: n rollouts
             (each sampled from the same, not yet updated policy, so still on-policy) per optimizer step.
+            A multiple of ``sampling.k`` keeps every micro-batch eligible for ``share_prompt``.
+        share_prompt: run each prompt once per group in the policy and reference forwards, its KV cache
+            serving the group's k completions (``logprobs.shared_prompt_logits``): the same log-probs and
+            gradient up to float rounding, for ``(k-1)/k`` less of the prompt positions' compute. Used where
+            it applies (a micro-batch of whole groups, a Hugging Face model that returns its cache, no
+            activation checkpointing in training); elsewhere the forward runs each sequence whole.
         warmup_ratio: fraction of the total steps for the linear warm-up of the default constant-rate
             schedule (the paper: 3%). Ignored when ``lr_scheduler`` is given.
         on_nonfinite: what a NaN/inf loss or gradient does: ``stop`` raises ``NonFiniteError`` (naming the
@@ -276,6 +282,7 @@ class UpdateArgs:
     clip_eps_high: float = 0.2
     dual_clip: float | None = None
     micro_batch_size: int | None = None
+    share_prompt: bool = True
     warmup_ratio: float = 0.03
     on_nonfinite: Literal["stop", "skip"] = "stop"
 

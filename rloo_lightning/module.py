@@ -318,7 +318,8 @@ class RLOOModule(LightningModule):
     def logprobs(self, model: torch.nn.Module, rollout: Rollout, rows: slice = slice(None),
                  with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         """Per-token log-probs ``[b, T]`` of ``rows`` under ``model`` at the sampling temperature (step 3)."""
-        return sequence_logprobs(model, rollout, rows, self.cfg.sampling.temperature, with_entropy)
+        return sequence_logprobs(model, rollout, rows, self.cfg.sampling.temperature, with_entropy,
+                                 share_prompt=self.cfg.update.share_prompt)
 
     def reference_logprobs(self, rollout: Rollout, rows: list[slice]) -> Tensor:
         """``[B, T]`` log-probs of the completions under the reference, one micro-batch at a time.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -12,10 +13,11 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig
 
-from rloo_lightning.logprobs import completion_mask
+from rloo_lightning.logprobs import cache_keyword, completion_mask, returned_cache
 
 __all__ = ["Rollout", "GenerationEngine", "HFGenerateEngine", "concat_groups", "sampling_config", "default_eos_ids",
-           "derive_seed", "generate_rollout", "stop_string_ends", "generation_configs"]
+           "derive_seed", "generate_rollout", "stop_string_ends", "generation_configs", "prompt_groups",
+           "shared_prefill"]
 
 
 @dataclass
@@ -293,13 +295,18 @@ class HFGenerateEngine(GenerationEngine):
             how far cached decoding is from the training forward.
         sampler_temperature: sample at this temperature instead of ``sampling.temperature`` (the log-probs
             follow it): a sampler that differs from pi_theta by a known amount, to test the correction.
+        share_prompt: prefill each distinct prompt once and share its KV cache across its k samples
+            (:func:`shared_prefill`), instead of prefilling all ``N*k`` rows: the same distribution, the
+            same random draws, (k-1)/k less prefill compute.
     """
 
-    def __init__(self, return_logprobs: bool = False, sampler_temperature: float | None = None) -> None:
+    def __init__(self, return_logprobs: bool = False, sampler_temperature: float | None = None,
+                 share_prompt: bool = True) -> None:
         if sampler_temperature is not None and sampler_temperature <= 0:
             raise ValueError(f"sampler_temperature must be > 0, got {sampler_temperature}")
         self.return_logprobs = return_logprobs or sampler_temperature is not None
         self.sampler_temperature = sampler_temperature
+        self.share_prompt = share_prompt
 
     @property
     def reports_logprobs(self) -> bool:
@@ -321,10 +328,14 @@ class HFGenerateEngine(GenerationEngine):
             if self.sampler_temperature is not None:
                 generation_config.temperature = self.sampler_temperature
         try:
+            # Not where every forward gathers sharded weights (synced_gpus): ranks must run the same forwards.
+            synced = getattr(getattr(model, "generate", None), "keywords", {}).get("synced_gpus", False)
+            share = self.share_prompt and not synced
+            prefilled = shared_prefill(model, prompt_ids, prompt_mask) if share else {}
             with _seeded_global_rng(seed, prompt_ids.device):
                 out = model.generate(
                     input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config,
-                    tokenizer=tokenizer if generation_config.stop_strings else None,
+                    tokenizer=tokenizer if generation_config.stop_strings else None, **prefilled,
                 )
         finally:
             model.train(was_training)
@@ -335,6 +346,37 @@ class HFGenerateEngine(GenerationEngine):
         # scores: one [B, V] tensor per generated position, the processed logits that were sampled from.
         scores = torch.stack(out.scores, dim=1).float()
         return ids, torch.log_softmax(scores, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
+
+
+def prompt_groups(prompt_ids: Tensor, prompt_mask: Tensor) -> int:
+    """The largest ``g`` such that the rows are runs of ``g`` equal consecutive prompts (ids and mask): the gcd of
+    the runs' lengths, so ``k`` (or a multiple of it) for a rollout's ``N*k`` rows even when two neighbouring
+    prompts are equal; 1 when no row repeats."""
+    rows = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
+    _, counts = torch.unique_consecutive(rows, dim=0, return_counts=True)
+    return math.gcd(*counts.tolist())
+
+
+def shared_prefill(model, prompt_ids: Tensor, prompt_mask: Tensor) -> dict:
+    """The keyword that hands ``generate`` a KV cache of all but the last prompt column, computed once per
+    distinct prompt and repeated over its k rows (``{}`` when the rows are not groups of equal prompts, the
+    prompt is one column wide, or the model returns no cache).
+
+    ``generate`` then runs only the last prompt column and the decode steps: its sampling (and so its random
+    draws) is unchanged, the prefill costs ``N`` rows instead of ``N*k``. The positions are those
+    ``generate`` derives from the attention mask.
+    """
+    k = prompt_groups(prompt_ids, prompt_mask)
+    if k == 1 or prompt_ids.shape[1] < 2:
+        return {}
+    ids, mask = prompt_ids[::k, :-1], prompt_mask[::k, :-1]
+    positions = (mask.long().cumsum(1) - 1).masked_fill(mask == 0, 1)  # as generate makes them
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    cache = returned_cache(out)
+    if cache is None or not hasattr(cache, "batch_repeat_interleave"):
+        return {}
+    cache.batch_repeat_interleave(k)
+    return {cache_keyword(model): cache}
 
 
 @contextlib.contextmanager
