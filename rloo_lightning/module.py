@@ -20,6 +20,7 @@ from rloo_lightning.config import (
     ShapingArgs, UpdateArgs, ValidationArgs, GROUPS, Options, as_group, check_options, renamed_error, to_primitives,
 )
 from rloo_lightning.correction import importance_weights, mismatch_sums, weighted_advantages
+from rloo_lightning.decode import DecodeLoopEngine
 from rloo_lightning.dynamic_sampling import fill_informative
 from rloo_lightning.kl import fold_kl, mix_into_reference, reward_to_go, token_rewards_after_baseline
 from rloo_lightning.logprobs import sequence_logprobs
@@ -29,7 +30,7 @@ from rloo_lightning.policy import Frozen, disable_dropout, export_pretrained, lo
 from rloo_lightning.rewards import RewardSet
 from rloo_lightning.rewards.model import RewardModel
 from rloo_lightning.rewards.shaping import shape_rewards
-from rloo_lightning.rollout import GenerationEngine, HFGenerateEngine, Rollout, default_eos_ids, derive_seed
+from rloo_lightning.rollout import GenerationEngine, Rollout, default_eos_ids, derive_seed
 from rloo_lightning.rollout import generate_rollout, generation_configs
 from rloo_lightning.timing import PhaseTimer, log_phase_times
 from rloo_lightning.update import (
@@ -67,7 +68,9 @@ class RLOOModule(LightningModule):
         policy: loading and training the policy: GGUF, LoRA, gradient checkpointing (``PolicyArgs``).
         predict: what ``predict`` samples and where it writes (``PredictArgs``).
         generation_engine: what samples the completions (:class:`~rloo_lightning.rollout.GenerationEngine`;
-            default: the policy's own ``generate``). In YAML ``{class_path: my.Engine, init_args: {...}}``.
+            default: :class:`~rloo_lightning.decode.DecodeLoopEngine`, a decode loop over the policy's KV cache;
+            :class:`~rloo_lightning.rollout.HFGenerateEngine` is the policy's own ``generate``). In YAML
+            ``{class_path: my.Engine, init_args: {...}}``.
         time_phases: time the phases of each step and write them as ``time/<phase>`` to the loggers.
         checkpoint_every_n_steps: besides the end of fit, write ``last.ckpt`` every N optimizer steps (0 = off).
         optimizer: optimizer factory (default AdamW, lr 1e-6 as in the paper).
@@ -112,10 +115,11 @@ class RLOOModule(LightningModule):
         self.save_hyperparameters({"model_name_or_path": model_name_or_path, **to_primitives(cfg),
                                    "time_phases": time_phases, "checkpoint_every_n_steps": checkpoint_every_n_steps})
         c = self.cfg
-        self.engine = generation_engine or HFGenerateEngine()
+        self.engine = generation_engine or DecodeLoopEngine()
         if c.correction.level != "none" and self.engine.reports_logprobs is False:
             raise ValueError(f"correction.level={c.correction.level!r} needs an engine that reports its log-probs; "
-                             f"{type(self.engine).__name__} does not (HFGenerateEngine: return_logprobs=true)")
+                             f"{type(self.engine).__name__} does not (DecodeLoopEngine or HFGenerateEngine: "
+                             "return_logprobs=true)")
         self.timer = PhaseTimer(enabled=time_phases)
         # Reward import paths resolve now: a typo fails before any model is loaded. None: predict without scores.
         self.rewards = RewardSet.from_specs(c.rewards.funcs, c.rewards.weights, timeout=c.rewards.timeout,

@@ -41,7 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-VARIANTS = ("plain", "shared", "static", "compiled", "chunked_head", "shared+chunked_head", "continuous")
+VARIANTS = ("plain", "shared", "static", "compiled", "chunked_head", "shared+chunked_head", "continuous", "loop",
+            "loop_no_chunk")
 HEAD_CHUNK = 4096
 
 
@@ -72,6 +73,7 @@ def main() -> None:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import CompileConfig
 
+    from rloo_lightning.decode import DecodeLoopEngine
     from rloo_lightning.logprobs import completion_mask, sequence_logprobs
     from rloo_lightning.models import load_causal_lm, load_tokenizer, resolve_model_path
     from rloo_lightning.rollout import HFGenerateEngine, Rollout, default_eos_ids, sampling_config
@@ -102,6 +104,10 @@ def main() -> None:
             cfg.compile_config._compile_all_devices = True
         if variant == "continuous":
             return _continuous(model, prompt_ids, prompt_mask, cfg, seed, logprobs)
+        if variant.startswith("loop"):
+            engine = DecodeLoopEngine(return_logprobs=logprobs, chunk_head=variant == "loop")
+            with torch.inference_mode():
+                return engine.generate(model, tok, prompt_ids, prompt_mask, cfg, seed)
         if "chunked_head" in variant:
             model.lm_head.forward = types.MethodType(_chunked_head, model.lm_head)
         engine = HFGenerateEngine(return_logprobs=logprobs, share_prompt=variant.startswith("shared"))
@@ -145,7 +151,7 @@ def main() -> None:
             "same_tokens_as_plain": None if plain_ids is None else bool(torch.equal(out_ids, plain_ids)),
         }
     base = results.get("plain", {}).get("median_s")
-    for v, r in results.items():
+    for r in results.values():
         r["speed_vs_plain"] = round(base / r["median_s"], 3) if base else None
     print(json.dumps({"model": args.model, "rows": len(prompt_ids), "prompt_width": width,
                       "max_new_tokens": args.max_new_tokens, "threads": args.threads, "reps": args.reps,

@@ -160,7 +160,8 @@ def test_shared_prefill_samples_what_the_plain_prefill_samples(config):
     for share in (False, True):
         engine = HFGenerateEngine(return_logprobs=True, share_prompt=share)
         seen = []
-        hook = model.get_input_embeddings().register_forward_hook(lambda m, i, out: seen.append(tuple(out.shape[:2])))
+        hook = model.get_input_embeddings().register_forward_hook(
+            lambda m, i, out, seen=seen: seen.append(tuple(out.shape[:2])))
         with torch.no_grad():
             outs[share] = engine.generate(model, None, rollout.prompt_ids, rollout.prompt_mask, cfg, seed=3)
         hook.remove()
