@@ -120,7 +120,8 @@ class DecodeLoopEngine(GenerationEngine):
         if patch:
             head.forward = types.MethodType(_chunked_head, head)
         try:
-            ids, logp = self._decode(model, prompt_ids, prompt_mask, generation_config, seed)
+            with torch.no_grad():  # as generate (inside the module's inference_mode, a no-op)
+                ids, logp = self._decode(model, prompt_ids, prompt_mask, generation_config, seed)
         finally:
             if patch:
                 del head.forward
@@ -148,7 +149,7 @@ class DecodeLoopEngine(GenerationEngine):
             cache.batch_repeat_interleave(k)
             logits = logits.repeat_interleave(k, dim=0)
         tokens_out = torch.full((B, T), pad, dtype=torch.long, device=device)
-        logp_out = torch.zeros(B, T, device=device)
+        logp_out = torch.zeros(B, T, dtype=torch.float32, device=device)  # bf16-true sets the default dtype
         rows = torch.arange(B, device=device)  # the live rows' indices in the output
         attention = torch.cat([prompt_mask, torch.ones(B, T, dtype=prompt_mask.dtype, device=device)], dim=1)
         next_position = prompt_mask.sum(1)

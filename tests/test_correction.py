@@ -173,7 +173,7 @@ def test_a_correction_needs_an_engine_that_reports_logprobs(tiny_model_dir):
     from rloo_lightning.exactness import TableSampler, make_toy, toy_batch, toy_module
 
     with pytest.raises(ValueError, match="correction.level='sequence' needs an engine that reports its log-probs; "
-                                         "HFGenerateEngine does not"):
+                                         "DecodeLoopEngine does not"):
         RLOOModule(tiny_model_dir, rewards={"funcs": ["rloo_lightning.tasks.reverse.reward"]},
                    correction={"level": "sequence"})
     # an engine that cannot say in advance: the first rollout without log-probs stops the step

@@ -8,7 +8,7 @@ from lightning.pytorch.loggers import Logger
 
 from rloo_lightning import RLOOModule
 from rloo_lightning.data import PromptDataModule, collate_prompts
-from rloo_lightning.rollout import GenerationEngine, HFGenerateEngine
+from rloo_lightning.rollout import GenerationEngine
 
 REWARD = "rloo_lightning.tasks.reverse.reward"
 
@@ -80,10 +80,12 @@ def test_engine_resyncs_only_after_optimizer_steps(tiny_model_dir):
     assert len(engine.calls) == 4 and engine.syncs == 2  # 4 rollouts, 2 optimizer steps
 
 
-def test_default_engine_is_hf_generate_and_seeded(tiny_model_dir):
+def test_default_engine_is_the_decode_loop_and_seeded(tiny_model_dir):
+    from rloo_lightning.decode import DecodeLoopEngine
+
     module = RLOOModule(tiny_model_dir, rewards={"funcs": [REWARD]}, sampling={"k": 2, "max_new_tokens": 6})
     module.configure_model()
-    assert isinstance(module.engine, HFGenerateEngine)
+    assert isinstance(module.engine, DecodeLoopEngine)
     tok = module.tokenizer
     batch = collate_prompts([{"input_ids": tok(p)["input_ids"], "prompt": p, "columns": {}} for p in ["abc=", "hg="]],
                             tok.pad_token_id)

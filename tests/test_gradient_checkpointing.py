@@ -33,9 +33,8 @@ def test_generation_keeps_kv_cache_while_checkpointing_is_configured(tiny_model_
         rollout = module.sample(_batch(module.tokenizer, ["abc=", "hgfed="]), 3, seed=1)
     finally:
         hook.remove()
-    # With the KV cache, every forward after the prompt's feeds one new token (the shared prefill runs all but
-    # the last prompt column once per prompt, then generate feeds that column).
-    assert len(widths) >= 2 and widths[0] == rollout.prompt_ids.shape[1] - 1 and set(widths[1:]) == {1}
+    # With the KV cache, every forward after the prompt's feeds one new token.
+    assert len(widths) >= 2 and widths[0] == rollout.prompt_ids.shape[1] and set(widths[1:]) == {1}
     assert module.policy.training  # back in train mode for the update
 
 

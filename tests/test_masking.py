@@ -17,7 +17,7 @@ from rloo_lightning.module import RLOOModule
 from rloo_lightning import logprobs
 from rloo_lightning.logprobs import completion_mask, token_logprobs
 from rloo_lightning.losses import aggregate_token_loss
-from rloo_lightning.rollout import Rollout
+from rloo_lightning.rollout import HFGenerateEngine, Rollout
 
 REWARD = "rloo_lightning.tasks.reverse.reward"
 
@@ -264,6 +264,7 @@ def test_left_padding_amount_does_not_change_completion_logprobs(model_dir):
 def test_logprobs_under_temperature_equal_the_sampled_distribution(model_dir):
     T = 0.7
     module = _module(model_dir, sampling={"temperature": T, "max_new_tokens": 6})
+    module.engine = HFGenerateEngine()  # generate's own samples (the default engine's: tests/test_decode.py)
     tok = module.tokenizer
     rows = [{"input_ids": _ids(tok, p), "prompt": p, "columns": {}} for p in ("abc=", "hgfedcb=")]
     batch = collate_prompts(rows, tok.pad_token_id)
