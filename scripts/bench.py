@@ -32,7 +32,11 @@ over the steps after warm-up, all seeds pooled), ``ratio_vs_trl`` (a/b), ``ratio
 ``peak_rss_mb`` {a, b} (whole process), ``peak_rss_mb_through_steps`` {a} (at its last step's end: before
 the end-of-fit checkpoint), ``split`` (median seconds per part of (a)'s step), and in the full run
 ``reward_end`` {a: [...], b: [...]} (per seed: mean train reward over the last ``REWARD_END_STEPS``
-steps). ``meta`` holds the configuration, versions, counts, start-to-start step times (``cycle_s``,
+steps), ``floors`` (per phase of (a)'s step: ``floor_s``, the median lower bound on this machine from
+``scripts/machine_limits.py``'s bandwidth and matmul rates, measured once at the start, for the step's own token
+counts; ``measured_over_floor``, the median of measured / floor: 1 would be a phase at the machine's limit; the
+rates are measured at SmolLM2's widths, so the tiny model's floors are far below what its small matmuls reach).
+``meta`` holds the configuration, versions, counts, start-to-start step times (``cycle_s``,
 which include what falls between two step windows: data loading, logger writes, progress bar) and notes.
 """
 
@@ -159,7 +163,8 @@ def run_prepare(spec_path: str, out_path: str) -> None:
     from rloo_lightning.models import load_causal_lm, load_tokenizer, resolve_model_path
 
     if not spec.get("gguf_file"):
-        write_result(out_path, {"hf_dir": resolve_model_path(spec["model"])})
+        hf_dir = resolve_model_path(spec["model"])
+        write_result(out_path, {"hf_dir": hf_dir, **_work_shape(hf_dir, spec)})
         return
     from transformers import AutoModelForCausalLM
 
@@ -177,7 +182,24 @@ def run_prepare(spec_path: str, out_path: str) -> None:
     model.generation_config = loaded.generation_config
     model.save_pretrained(target)
     tok.save_pretrained(target)
-    write_result(out_path, {"hf_dir": str(target)})
+    write_result(out_path, {"hf_dir": str(target), **_work_shape(str(target), spec)})
+
+
+def _work_shape(hf_dir: str, spec: dict) -> dict:
+    """What the phase floors need: the decoder's parameter count and the mean prompt length of the task's rows."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bench_common import encode_prompt, train_rows
+    from rloo_lightning.models import load_tokenizer
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dir))
+    params = sum(p.numel() for p in skeleton.parameters())  # tied weights once
+    tok = load_tokenizer(hf_dir)
+    rows = train_rows({"task": spec["task"], "num_train_rows": 200, "seed": 0})
+    lengths = [len(encode_prompt(tok, r["prompt"])) for r in rows]
+    return {"params": params, "mean_prompt_tokens": statistics.fmean(lengths)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -262,7 +284,38 @@ def _split(steps: list[dict]) -> dict:
     return out
 
 
-def _aggregate(size: str, runs: dict[str, list[dict]], warmup: int, full: bool) -> tuple[dict, dict]:
+def _floors(steps: list[dict], limits: dict, shape: dict) -> dict:
+    """Median floor (seconds) of each phase of (a)'s steps, and the median of measured / floor per step.
+
+    A step's floor is :func:`machine_limits.phase_floors` for its own completion tokens and the distinct
+    prompts' mean length; a ratio of 1 would be a phase running at this machine's measured limit."""
+    from machine_limits import phase_floors
+
+    names = {"generation": "generation", "policy_forward_backward": "policy_forward_backward",
+             "reference": "reference", "optimizer": "optimizer"}
+    split_names = {"generation": lambda s, ph: ph.get("generation"),
+                   "policy_forward_backward": lambda s, ph: ph.get("policy_forward", 0.0) + s["backward_s"]
+                   if "policy_forward" in ph else None,
+                   "reference": lambda s, ph: ph.get("reference"), "optimizer": lambda s, ph: s["optimizer_s"]}
+    floors: dict[str, list[float]] = {n: [] for n in names}
+    ratios: dict[str, list[float]] = {n: [] for n in names}
+    for s in steps:
+        if s.get("tokens") is None:
+            continue
+        f = phase_floors(limits, shape["params"], shape["prompts"] * shape["mean_prompt_tokens"], s["tokens"],
+                         shape["prompts"] * shape["k"])
+        ph = s.get("phases") or {}
+        for n in names:
+            floors[n].append(f[n])
+            measured = split_names[n](s, ph)
+            if measured is not None and f[n] > 0:
+                ratios[n].append(measured / f[n])
+    return {"floor_s": {n: _r(_median(v), 4) for n, v in floors.items()},
+            "measured_over_floor": {n: _r(_median(v), 2) for n, v in ratios.items()}}
+
+
+def _aggregate(size: str, runs: dict[str, list[dict]], warmup: int, full: bool, limits: dict | None = None,
+               shape: dict | None = None) -> tuple[dict, dict]:
     timed = {x: [s for r in runs.get(x, []) if "steps" in r for s in r["steps"][warmup:]] for x in SYSTEMS}
     step_s = {x: _r(_median([s["total_s"] for s in timed[x]])) for x in SYSTEMS}
 
@@ -292,6 +345,7 @@ def _aggregate(size: str, runs: dict[str, list[dict]], warmup: int, full: bool) 
             gaps += [b - a for a, b in zip(starts, starts[1:])]
         return _r(_median(gaps))
 
+    floors = _floors(timed["a"], limits, shape) if limits and shape and timed["a"] else None
     out = {
         "step_s": step_s,
         "ratio_vs_trl": ratio("a", "b"),
@@ -300,6 +354,7 @@ def _aggregate(size: str, runs: dict[str, list[dict]], warmup: int, full: bool) 
         "peak_rss_mb": {"a": rss("a"), "b": rss("b")},
         "peak_rss_mb_through_steps": {"a": rss_through_steps("a")},
         "split": _split(timed["a"]) if timed["a"] else None,
+        "floors": floors,
     }
     if full:
         def reward_end(r):
@@ -356,6 +411,7 @@ def main() -> None:
     parser.add_argument("--trl-own-defaults", action="store_true",
                         help="leave TRL's optimizer/clipping/schedule defaults instead of matching ours")
     parser.add_argument("--no-phases", action="store_true", help="do not pass --model.time_phases to (a)")
+    parser.add_argument("--no-limits", action="store_true", help="skip measuring this machine's limits (no floors)")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, specs, results)")
     args = parser.parse_args()
@@ -370,6 +426,14 @@ def main() -> None:
             sys.exit('system (b) needs TRL: pip install -e ".[bench]"')
     qs = _quickstart()
     qs_model = qs["model"]
+    limits = None
+    if not args.no_limits:  # this machine's bandwidth and matmul rates, for each phase's floor
+        import torch
+        from machine_limits import measure
+
+        torch.set_num_threads(args.threads)
+        print("[bench] measuring this machine's limits (scripts/machine_limits.py)", file=sys.stderr)
+        limits = measure(decode_rows=16, update_rows=16 * 82, reps=3)
     work = Path(tempfile.mkdtemp(prefix="rloo_bench_"))
     print(f"[bench] work directory: {work}", file=sys.stderr)
     report: dict = {}
@@ -433,7 +497,11 @@ def main() -> None:
                         print(f"[bench]   median step {(_median(secs) or 0):.3f} s, "
                               f"peak RSS {result.get('peak_rss_mb', 0):.0f} MiB, wall {result['wall_s']:.0f} s",
                               file=sys.stderr)
-            report[size], size_meta = _aggregate(size, runs, warmup, full)
+            shape = {"params": prep.get("params"), "mean_prompt_tokens": prep.get("mean_prompt_tokens"),
+                     "prompts": base["prompts"], "k": base["k"]}
+            report[size], size_meta = _aggregate(size, runs, warmup, full, limits,
+                                                 shape if shape["params"] else None)
+            size_meta["work_shape"] = shape
             size_meta.update({k: base[k] for k in ("prompts", "k", "max_new_tokens", "beta", "temperature", "lr",
                                                    "warmup_steps_lr", "a_model", "a_gguf_file")})
             size_meta.update({"steps": steps, "warmup": warmup, "override": cfg["override"]})
@@ -447,6 +515,7 @@ def main() -> None:
         else:
             shutil.rmtree(work, ignore_errors=True)
     meta["notes"] = NOTES
+    meta["machine_limits"] = limits
     report["meta"] = meta
     text = json.dumps(report, indent=1)
     if args.out:

@@ -67,6 +67,45 @@ def matmul_rate(rows: int, dtype: torch.dtype, reps: int) -> float:
     return 2 * rows * HIDDEN * MLP * inner / _best(run, reps) / 1e9
 
 
+def measure(decode_rows: int, update_rows: int, reps: int = 5) -> dict:
+    """This machine's read bandwidth and fp32 / bf16 matmul rates at ``decode_rows`` and ``update_rows`` rows."""
+    rates = {f"{name}_m{rows}": round(matmul_rate(rows, dtype, reps), 1)
+             for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+             for rows in (decode_rows, update_rows)}
+    return {"threads": torch.get_num_threads(), "torch": torch.__version__, "bandwidth": bandwidth(reps),
+            "matmul_GFLOPs": rates, "decode_rows": decode_rows, "update_rows": update_rows}
+
+
+def phase_floors(limits: dict, params: float, prompt_tokens: float, completion_tokens: float, rows: int,
+                 bytes_per_param: float = 4.0) -> dict:
+    """Lower bounds (seconds) of one RLOO step's phases on this machine, for the work of one rollout.
+
+    Args:
+        limits: :func:`measure`'s result (its fp32 rates).
+        params: decoder parameters.
+        prompt_tokens: prompt positions that must be computed (the distinct prompts' tokens: a prompt shared by
+            its k samples counts once).
+        completion_tokens: sampled tokens of the rollout (all rows).
+        rows: sequences decoded together (``N*k``).
+
+    generation: every decode step reads all weights once (``steps >= completion_tokens / rows``) and costs
+    ``2 * params`` FLOPs per live row, at the small-matmul rate; the prefill ``2 * params * prompt_tokens`` at the
+    large-matmul rate. policy forward + backward: ``6 * params * tokens``; reference: ``2 * params * tokens``
+    (``tokens = prompt_tokens + completion_tokens``); optimizer: AdamW reads parameter, gradient and two moments and
+    writes three of them, ``7 * bytes_per_param * params`` bytes. Attention and the softmax are left out.
+    """
+    bw = limits["bandwidth"]["read_GBps"] * 1e9
+    small = limits["matmul_GFLOPs"][f"fp32_m{limits['decode_rows']}"] * 1e9
+    big = limits["matmul_GFLOPs"][f"fp32_m{limits['update_rows']}"] * 1e9
+    steps = completion_tokens / max(rows, 1)
+    decode = max(steps * params * bytes_per_param / bw, 2 * params * completion_tokens / small)
+    tokens = prompt_tokens + completion_tokens
+    return {"generation": decode + 2 * params * prompt_tokens / big,
+            "policy_forward_backward": 6 * params * tokens / big,
+            "reference": 2 * params * tokens / big,
+            "optimizer": 7 * bytes_per_param * params / bw}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=134.5e6, help="decoder parameters (SmolLM2-135M: 134.5M)")
@@ -79,21 +118,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    bw = bandwidth(args.reps)
     tokens = args.rows * (args.prompt_tokens + args.max_new_tokens)
-    rates = {f"{name}_m{rows}": round(matmul_rate(rows, dtype, args.reps), 1)
-             for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
-             for rows in (args.rows, tokens)}
+    limits = measure(args.rows, tokens, args.reps)
+    bw, rates = limits["bandwidth"], limits["matmul_GFLOPs"]
     weight_bytes = args.params * args.bytes_per_param
     decode_memory = weight_bytes / (bw["read_GBps"] * 1e9)
     decode_compute = 2 * args.params * args.rows / (rates[f"fp32_m{args.rows}"] * 1e9)
     decode = max(decode_memory, decode_compute)
     big = rates[f"fp32_m{tokens}"] * 1e9
     report = {
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "bandwidth": bw,
-        "matmul_GFLOPs": rates,
+        **limits,
         "shapes": {"params": args.params, "bytes_per_param": args.bytes_per_param, "rows": args.rows,
                    "max_new_tokens": args.max_new_tokens, "update_tokens": tokens},
         "floors_s": {

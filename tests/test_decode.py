@@ -122,3 +122,18 @@ def test_the_module_samples_with_it_by_default(tiny_model_dir):
 
     module = RLOOModule(tiny_model_dir, rewards={"funcs": ["tests.reward_helpers.length_reward"]})
     assert isinstance(module.engine, Default)
+
+
+def test_chunked_head_is_the_head_and_is_removed_after_generation():
+    from rloo_lightning.decode import HEAD_CHUNK, _chunked_head
+
+    head = torch.nn.Linear(8, HEAD_CHUNK * 2 + 5, bias=True)
+    x = torch.randn(3, 1, 8)
+    torch.testing.assert_close(_chunked_head(head, x), head(x), atol=1e-6, rtol=1e-6)
+    model, (ids, mask) = _model("llama"), _prompts()
+    cfg = sampling_config(max_new_tokens=4, eos_token_ids=[EOS], pad_token_id=PAD)
+    with torch.inference_mode():
+        chunked = DecodeLoopEngine(chunk_head=True).generate(model, None, ids, mask, cfg, 9)
+        whole = DecodeLoopEngine(chunk_head=False).generate(model, None, ids, mask, cfg, 9)
+    assert torch.equal(chunked, whole)
+    assert "forward" not in vars(model.get_output_embeddings())  # the instance patch is gone

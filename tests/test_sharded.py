@@ -547,35 +547,38 @@ def _helper_main(argv: list[str]) -> None:  # pragma: no cover - runs in subproc
                 cfg = GenerationConfig(**base, eos_token_id=list(range(vocab)))
             else:  # EOS forbidden until the budget: PROBE_TOKENS tokens
                 cfg = GenerationConfig(**base, eos_token_id=[eos], min_new_tokens=PROBE_TOKENS)
-            bound = policy.generate
+            engine = self.engine
+            bound = engine.generate
 
-            def counted(*a, **k):
-                seen.update({key: k[key] for key in ("synced_gpus",) if key in k})
+            def counted(model, *a, **k):
+                # The whole engine call is counted (the default decode loop runs the forwards itself); the
+                # synced_gpus default that gathered_for_generation gave the policy's generate is recorded.
+                seen["synced_gpus"] = getattr(model.generate, "keywords", {}).get("synced_gpus")
                 with Collectives() as mode:
-                    result = bound(*a, **k)
+                    result = bound(model, *a, **k)
                 counter["n"] += mode.n
                 return result
 
             sharded_before = sharded_now(policy)
-            policy.generate = counted
+            engine.generate = counted
             saved = self.generation_config
             self.generation_config = cfg
             try:
                 rollout = RLOOModule.sample(self, batch, 2, seed=123)  # through gathered_for_generation
             finally:
                 self.generation_config = saved
-                del policy.generate
+                del engine.generate
             gathered, gathered_kwargs = counter["n"], dict(seen)
             # control: gather=False, the same different lengths: the policy stays sharded, every forward
             # all-gathers (the counter sees it) and synced_gpus=True keeps the ranks paired (no hang)
             counter["n"] = 0
-            policy.generate = counted
+            engine.generate = counted
             try:
                 with gathered_for_generation(policy, strategy, gather=False):
                     ungathered = generate_rollout(policy, self.tokenizer, batch["input_ids"], batch["attention_mask"],
-                                                  batch["prompt"], batch["columns"], 1, cfg, 7)
+                                                  batch["prompt"], batch["columns"], 1, cfg, 7, engine=engine)
             finally:
-                del policy.generate
+                del engine.generate
             record = {
                 "path": generation_path(policy, strategy),
                 "sharded": sharded_before,

@@ -181,3 +181,30 @@ def test_shared_prefill_samples_what_the_plain_prefill_samples(config):
     with torch.no_grad():
         train_logp, _ = sequence_logprobs(model, sampled, temperature=0.9, share_prompt=True)
     torch.testing.assert_close(train_logp * mask, logp * mask, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_update_share_prompt_option_decides_the_update_forwards(tiny_model_dir, share):
+    """``model.update.share_prompt``: two forwards of the policy per update (the prompts, then the completions
+    against their cache) when on, one over whole sequences when off; the loss agrees either way."""
+    from rloo_lightning import RLOOModule
+    from rloo_lightning.data import collate_prompts
+
+    losses = {}
+    for option in (share, not share):
+        module = RLOOModule(tiny_model_dir, rewards={"funcs": ["tests.reward_helpers.length_reward"]},
+                            sampling={"k": 3, "max_new_tokens": 5}, update={"share_prompt": option})
+        module.configure_model()
+        tok = module.tokenizer
+        batch = collate_prompts([{"input_ids": tok(p)["input_ids"], "prompt": p, "columns": {}}
+                                 for p in ["abc=", "hgfed="]], tok.pad_token_id)
+        rollout = module.sample(batch, 3, seed=4)
+        rollout.rewards = torch.tensor([0.1, 0.5, 0.9, 0.3, 0.2, 0.8])
+        calls = []
+        hook = module.policy.get_input_embeddings().register_forward_hook(lambda *a, calls=calls: calls.append(1))
+        loss, _ = module.rollout_loss(rollout)
+        hook.remove()
+        losses[option] = float(loss)
+        if option == share:  # the reference is a copy with its own embedding: these are the policy's forwards
+            assert len(calls) == (2 if share else 1)
+    assert losses[True] == pytest.approx(losses[False], abs=1e-5)
