@@ -263,9 +263,13 @@ class UpdateArgs:
             A multiple of ``sampling.k`` keeps every micro-batch eligible for ``share_prompt``.
         share_prompt: run each prompt once per group in the policy and reference forwards, its KV cache
             serving the group's k completions (``logprobs.shared_prompt_logits``): the same log-probs and
-            gradient up to float rounding, for ``(k-1)/k`` less of the prompt positions' compute. Used where
-            it applies (a micro-batch of whole groups, a Hugging Face model that returns its cache, no
-            activation checkpointing in training); elsewhere the forward runs each sequence whole.
+            gradient up to float rounding, for ``(k-1)/k`` less of the prompt positions' compute, at the cost
+            of a second forward call. ``auto`` (default) shares when the compute saved is worth more than that
+            call, ``parameters x (k-1) x distinct prompt tokens >= logprobs.SHARE_MIN_WORK`` (SmolLM2-135M at
+            4 prompts x k = 4: yes, 33 % off the policy's forward + backward; the quickstart's tiny model: no,
+            where sharing costs 4 %; ``docs/generation.md``); ``always``; ``never``. Used only where it applies
+            (a micro-batch of whole groups, a Hugging Face model that returns its cache, no activation
+            checkpointing in training); elsewhere the forward runs each sequence whole.
         warmup_ratio: fraction of the total steps for the linear warm-up of the default constant-rate
             schedule (the paper: 3%). Ignored when ``lr_scheduler`` is given.
         on_nonfinite: what a NaN/inf loss or gradient does: ``stop`` raises ``NonFiniteError`` (naming the
@@ -282,7 +286,7 @@ class UpdateArgs:
     clip_eps_high: float = 0.2
     dual_clip: float | None = None
     micro_batch_size: int | None = None
-    share_prompt: bool = True
+    share_prompt: Literal["auto", "always", "never"] = "auto"
     warmup_ratio: float = 0.03
     on_nonfinite: Literal["stop", "skip"] = "stop"
 
@@ -291,6 +295,7 @@ class UpdateArgs:
                 ("seq_sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"))
         _one_of("update.clip_mode", self.clip_mode, ("sequence", "token"))
         _one_of("update.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        _one_of("update.share_prompt", self.share_prompt, ("auto", "always", "never"))
         if self.loss_norm_constant is not None and self.loss_norm_constant <= 0:
             raise ValueError(f"update.loss_norm_constant must be > 0 or None, got {self.loss_norm_constant}")
         if self.updates_per_rollout < 1:

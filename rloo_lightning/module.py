@@ -23,7 +23,7 @@ from rloo_lightning.correction import importance_weights, mismatch_sums, weighte
 from rloo_lightning.decode import DecodeLoopEngine
 from rloo_lightning.dynamic_sampling import fill_informative
 from rloo_lightning.kl import fold_kl, mix_into_reference, reward_to_go, token_rewards_after_baseline
-from rloo_lightning.logprobs import sequence_logprobs
+from rloo_lightning.logprobs import sequence_logprobs, worth_sharing
 from rloo_lightning.losses import PolicyLoss
 from rloo_lightning.metrics import NoSignalWatch, pass_at_k, train_metric_sums
 from rloo_lightning.policy import Frozen, disable_dropout, export_pretrained, load_models, lora_config, prepare_policy
@@ -178,6 +178,7 @@ class RLOOModule(LightningModule):
         if c.kl.beta > 0 and not c.policy.lora:
             self._ref = Frozen(reference if reference is not None else copy.deepcopy(policy))
         self.policy = prepare_policy(policy, c.policy)
+        self._policy_params = sum(p.numel() for p in self.policy.parameters())  # before sharding: the whole model
         if c.policy.disable_dropout:
             disable_dropout(self.policy, self._ref.model if self._ref else None)
         if self.device_mesh is not None:
@@ -323,7 +324,15 @@ class RLOOModule(LightningModule):
                  with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         """Per-token log-probs ``[b, T]`` of ``rows`` under ``model`` at the sampling temperature (step 3)."""
         return sequence_logprobs(model, rollout, rows, self.cfg.sampling.temperature, with_entropy,
-                                 share_prompt=self.cfg.update.share_prompt)
+                                 share_prompt=self.shares_prompt(rollout))
+
+    def shares_prompt(self, rollout: Rollout) -> bool:
+        """``update.share_prompt`` for this rollout (``auto``: :func:`~rloo_lightning.logprobs.worth_sharing`)."""
+        option = self.cfg.update.share_prompt
+        if option != "auto":
+            return option == "always"
+        distinct = int(rollout.prompt_mask[::rollout.k].sum())
+        return worth_sharing(self._policy_params, rollout.k, distinct)
 
     def reference_logprobs(self, rollout: Rollout, rows: list[slice]) -> Tensor:
         """``[B, T]`` log-probs of the completions under the reference, one micro-batch at a time.

@@ -183,15 +183,16 @@ def test_shared_prefill_samples_what_the_plain_prefill_samples(config):
     torch.testing.assert_close(train_logp * mask, logp * mask, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("share", ["always", "never", "auto"])
 def test_update_share_prompt_option_decides_the_update_forwards(tiny_model_dir, share):
     """``model.update.share_prompt``: two forwards of the policy per update (the prompts, then the completions
-    against their cache) when on, one over whole sequences when off; the loss agrees either way."""
+    against their cache) with ``always``, one over whole sequences with ``never`` and, for this tiny model, with
+    ``auto``; the loss agrees either way."""
     from rloo_lightning import RLOOModule
     from rloo_lightning.data import collate_prompts
 
     losses = {}
-    for option in (share, not share):
+    for option in (share, "never" if share == "always" else "always"):
         module = RLOOModule(tiny_model_dir, rewards={"funcs": ["tests.reward_helpers.length_reward"]},
                             sampling={"k": 3, "max_new_tokens": 5}, update={"share_prompt": option})
         module.configure_model()
@@ -206,5 +207,17 @@ def test_update_share_prompt_option_decides_the_update_forwards(tiny_model_dir, 
         hook.remove()
         losses[option] = float(loss)
         if option == share:  # the reference is a copy with its own embedding: these are the policy's forwards
-            assert len(calls) == (2 if share else 1)
-    assert losses[True] == pytest.approx(losses[False], abs=1e-5)
+            assert len(calls) == (2 if share == "always" else 1)
+    first, second = losses.values()
+    assert first == pytest.approx(second, abs=1e-5)
+
+
+def test_share_prompt_auto_weighs_the_saved_compute():
+    from rloo_lightning.config import UpdateArgs
+    from rloo_lightning.logprobs import worth_sharing
+
+    assert worth_sharing(134_515_008, 4, 4 * 34)  # SmolLM2-135M at the benchmark's shape
+    assert not worth_sharing(100_000, 4, 16 * 6)  # a tiny model
+    assert not worth_sharing(134_515_008, 1, 4 * 34)  # nothing to share
+    with pytest.raises(ValueError, match="update.share_prompt"):
+        UpdateArgs(share_prompt="yes")
