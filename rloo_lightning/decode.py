@@ -97,8 +97,6 @@ class DecodeLoopEngine(GenerationEngine):
     the same distribution) than :class:`~rloo_lightning.rollout.HFGenerateEngine`.
     """
 
-    reports_logprobs = None  # True with return_logprobs; set per instance
-
     def __init__(self, return_logprobs: bool = False, chunk_head: bool = True, compact: bool = True) -> None:
         self.return_logprobs = return_logprobs
         self.reports_logprobs = return_logprobs

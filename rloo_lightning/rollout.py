@@ -251,8 +251,9 @@ class GenerationEngine:
     """The seam between :class:`~rloo_lightning.RLOOModule` and whatever samples the completions.
 
     Prompts in, token ids out; the module builds masks, texts and everything else from the ids,
-    so an engine only has to sample faithfully. The default, :class:`HFGenerateEngine`, calls the
-    live policy's ``generate``. A faster engine (e.g. vLLM on a GPU) subclasses this, samples
+    so an engine only has to sample faithfully. The module's default,
+    :class:`~rloo_lightning.decode.DecodeLoopEngine`, decodes over the live policy's KV cache;
+    :class:`HFGenerateEngine` calls its ``generate``. A faster engine (e.g. vLLM on a GPU) subclasses this, samples
     from its own copy of the weights, and refreshes that copy in :meth:`on_weights_updated`,
     which the module calls after every optimizer step (on-policy: the next rollout must come
     from the updated policy). Select one with ``RLOOModule(generation_engine=...)``.
@@ -423,7 +424,7 @@ def generate_rollout(
         input_ids, attention_mask: ``[N, P]`` left-padded prompts.
         k: completions per prompt; the k copies of a prompt are contiguous (prompt-major).
         seed: the sampling seed; the global RNG is left as it was.
-        engine: what samples (default :class:`HFGenerateEngine`).
+        engine: what samples (the module passes its own; default here :class:`HFGenerateEngine`).
         grad_free: the context the engine runs in (default ``torch.no_grad``; the module passes
             ``torch.inference_mode`` for an unsharded policy). Its ids are copied out of it: tensors
             made here enter the autograd graph later, which inference tensors cannot.
