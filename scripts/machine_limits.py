@@ -9,7 +9,7 @@ Measures, with every thread torch uses (``--threads``):
   and copies (``copy_``: one read and one write), in GB/s;
 - matmul throughput: the best of ``--reps`` ``[m, 576] x [576, 1536]`` matmuls (SmolLM2's hidden and MLP
   widths) at ``m`` = 16 rows (one decode step of the benchmark) and ``m`` = 16 x 96 rows (a forward over
-  its whole rollout), in fp32 and bf16, in GFLOP/s.
+  its whole rollout), in fp32 and (where the CPU has native bf16) bf16, in GFLOP/s.
 
 and derives, for a decoder of ``--params`` parameters (weights in fp32 unless ``--bytes-per-param``):
 
@@ -67,11 +67,15 @@ def matmul_rate(rows: int, dtype: torch.dtype, reps: int) -> float:
     return 2 * rows * HIDDEN * MLP * inner / _best(run, reps) / 1e9
 
 
-def measure(decode_rows: int, update_rows: int, reps: int = 5) -> dict:
-    """This machine's read bandwidth and fp32 / bf16 matmul rates at ``decode_rows`` and ``update_rows`` rows."""
+def measure(decode_rows: int, update_rows: int, reps: int = 5, bf16: bool = False) -> dict:
+    """This machine's read bandwidth and fp32 (and, with ``bf16``, bf16) matmul rates at ``decode_rows`` and
+    ``update_rows`` rows. bf16 is measured only where the CPU has it natively: emulated, it runs at about 1 GFLOP/s
+    and a measurement takes minutes."""
+    from rloo_lightning.engines import cpu_supports_bf16
+
+    dtypes = [("fp32", torch.float32)] + ([("bf16", torch.bfloat16)] if bf16 and cpu_supports_bf16() else [])
     rates = {f"{name}_m{rows}": round(matmul_rate(rows, dtype, reps), 1)
-             for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
-             for rows in (decode_rows, update_rows)}
+             for name, dtype in dtypes for rows in (decode_rows, update_rows)}
     return {"threads": torch.get_num_threads(), "torch": torch.__version__, "bandwidth": bandwidth(reps),
             "matmul_GFLOPs": rates, "decode_rows": decode_rows, "update_rows": update_rows}
 
@@ -119,7 +123,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     tokens = args.rows * (args.prompt_tokens + args.max_new_tokens)
-    limits = measure(args.rows, tokens, args.reps)
+    limits = measure(args.rows, tokens, args.reps, bf16=True)
     bw, rates = limits["bandwidth"], limits["matmul_GFLOPs"]
     weight_bytes = args.params * args.bytes_per_param
     decode_memory = weight_bytes / (bw["read_GBps"] * 1e9)
