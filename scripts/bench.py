@@ -459,7 +459,7 @@ def main() -> None:
             size_dir.mkdir()
             prep = _child([str(SCRIPTS / "bench.py"), "_prepare"],
                           {"model": cfg["model"], "gguf_file": cfg["gguf_file"], "workdir": str(size_dir),
-                           "threads": args.threads}, size_dir, "prepare", args.threads)
+                           "threads": args.threads, "task": qs["data"]["task"]}, size_dir, "prepare", args.threads)
             if "error" in prep:
                 report[size] = {"error": f"model preparation failed: {prep['error']}"}
                 continue
