@@ -103,3 +103,33 @@ class Clock:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         return time.perf_counter()
+
+
+def task_prompts(tokenizer, num_prompts: int, k: int, task: str = "reverse"):
+    """The first ``num_prompts`` rows of an embedded task as a rollout's prompts: ``(ids [N, P], mask [N, P],
+    prompt_ids [N*k, P], prompt_mask [N*k, P])``, left-padded, each prompt repeated k times."""
+    import torch
+
+    from rloo_lightning.tasks import get_task
+
+    encoded = [encode_prompt(tokenizer, r["prompt"]) for r in get_task(task).make_rows(num_prompts, 0)]
+    width = max(map(len, encoded))
+    ids = torch.full((len(encoded), width), tokenizer.pad_token_id)
+    mask = torch.zeros(len(encoded), width, dtype=torch.long)
+    for i, e in enumerate(encoded):
+        ids[i, width - len(e):], mask[i, width - len(e):] = torch.tensor(e), 1
+    return ids, mask, ids.repeat_interleave(k, 0), mask.repeat_interleave(k, 0)
+
+
+def rollout_parser(description: str, reps: int):
+    """The options the phase scripts share: the model and the rollout's shape (the benchmark's by default)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", required=True, help="a Hugging Face directory or tiny:<task>")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--threads", type=int, default=2)
+    return parser

@@ -28,7 +28,6 @@ object.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import statistics
@@ -40,56 +39,32 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import rollout_parser  # noqa: E402
 
 VARIANTS = ("plain", "shared", "static", "compiled", "chunked_head", "shared+chunked_head", "continuous", "loop",
             "loop_no_chunk")
-HEAD_CHUNK = 4096
-
-
-def _chunked_head(module, x):
-    """The LM head as vocabulary chunks written into one output (decode steps only; a prefill runs whole)."""
-    if x.shape[-2] != 1:
-        return torch.nn.functional.linear(x, module.weight, module.bias)
-    weight = module.weight
-    out = x.new_empty(*x.shape[:-1], weight.shape[0])
-    flat, out_flat = x.reshape(-1, x.shape[-1]), out.view(-1, weight.shape[0])
-    for s in range(0, weight.shape[0], HEAD_CHUNK):
-        torch.mm(flat, weight[s:s + HEAD_CHUNK].t(), out=out_flat[:, s:s + HEAD_CHUNK])
-    return out if module.bias is None else out + module.bias
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
+    parser = rollout_parser(__doc__.splitlines()[0], reps=5)
     parser.add_argument("--variants", default=",".join(v for v in VARIANTS if v not in ("compiled", "continuous")))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from bench_common import encode_prompt
+    from bench_common import task_prompts
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import CompileConfig
 
     from rloo_lightning.decode import DecodeLoopEngine
+    from rloo_lightning.decode import _chunked_head as chunked_head
     from rloo_lightning.logprobs import completion_mask, sequence_logprobs
     from rloo_lightning.models import load_causal_lm, load_tokenizer, resolve_model_path
     from rloo_lightning.rollout import HFGenerateEngine, Rollout, default_eos_ids, sampling_config
-    from rloo_lightning.tasks import get_task
 
     path = resolve_model_path(args.model)
     tok, model = load_tokenizer(path), load_causal_lm(path, dtype=torch.float32)
     model.eval().requires_grad_(False)
-    rows = get_task("reverse").make_rows(args.prompts, 0)
-    encoded = [encode_prompt(tok, r["prompt"]) for r in rows]
-    width = max(map(len, encoded))
-    ids = torch.full((len(encoded), width), tok.pad_token_id)
-    mask = torch.zeros(len(encoded), width, dtype=torch.long)
-    for i, e in enumerate(encoded):
-        ids[i, width - len(e):], mask[i, width - len(e):] = torch.tensor(e), 1
-    prompt_ids, prompt_mask = ids.repeat_interleave(args.k, 0), mask.repeat_interleave(args.k, 0)
+    ids, mask, prompt_ids, prompt_mask = task_prompts(tok, args.prompts, args.k)
+    width = ids.shape[1]
     eos = default_eos_ids(tok, model.generation_config)
     config = sampling_config(args.max_new_tokens, eos, tok.pad_token_id)
     model.generation_config = GenerationConfig()
@@ -109,7 +84,7 @@ def main() -> None:
             with torch.inference_mode():
                 return engine.generate(model, tok, prompt_ids, prompt_mask, cfg, seed)
         if "chunked_head" in variant:
-            model.lm_head.forward = types.MethodType(_chunked_head, model.lm_head)
+            model.lm_head.forward = types.MethodType(chunked_head, model.lm_head)
         engine = HFGenerateEngine(return_logprobs=logprobs, share_prompt=variant.startswith("shared"))
         try:
             with torch.inference_mode():

@@ -20,7 +20,6 @@ Prints one JSON object: median seconds per variant and phase, and the padding fr
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import rollout_parser  # noqa: E402
 
 
 def packed_logprobs(model, rollout, temperature: float) -> torch.Tensor:
@@ -64,36 +64,23 @@ def packed_logprobs(model, rollout, temperature: float) -> torch.Tensor:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser = rollout_parser(__doc__.splitlines()[0], reps=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     import copy
 
-    from bench_common import encode_prompt
+    from bench_common import task_prompts
     from transformers import GenerationConfig
 
     from rloo_lightning.decode import DecodeLoopEngine
     from rloo_lightning.logprobs import completion_mask, sequence_logprobs
     from rloo_lightning.models import load_causal_lm, load_tokenizer, resolve_model_path
     from rloo_lightning.rollout import Rollout, default_eos_ids, sampling_config
-    from rloo_lightning.tasks import get_task
 
     path = resolve_model_path(args.model)
     tok, model = load_tokenizer(path), load_causal_lm(path, dtype=torch.float32)
-    rows = get_task("reverse").make_rows(args.prompts, 0)
-    encoded = [encode_prompt(tok, r["prompt"]) for r in rows]
-    width = max(map(len, encoded))
-    ids = torch.full((len(encoded), width), tok.pad_token_id)
-    mask = torch.zeros(len(encoded), width, dtype=torch.long)
-    for i, e in enumerate(encoded):
-        ids[i, width - len(e):], mask[i, width - len(e):] = torch.tensor(e), 1
-    prompt_ids, prompt_mask = ids.repeat_interleave(args.k, 0), mask.repeat_interleave(args.k, 0)
+    ids, mask, prompt_ids, prompt_mask = task_prompts(tok, args.prompts, args.k)
+    width = ids.shape[1]
     eos = default_eos_ids(tok, model.generation_config)
     model.generation_config = GenerationConfig()
     with torch.inference_mode():
