@@ -76,6 +76,8 @@ def _chunked_head(module: torch.nn.Linear, x: Tensor) -> Tensor:
     """``module(x)`` as vocabulary chunks of one output: in one piece, the ``[rows, H] x [H, V]`` matmul of a decode
     step runs at a fraction of the small-matmul rate on CPU (``docs/generation.md``)."""
     weight = module.weight
+    if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):  # mm(out=...) has no autograd
+        return torch.nn.functional.linear(x, weight, module.bias)
     out = x.new_empty(*x.shape[:-1], weight.shape[0])
     flat, out_flat = x.reshape(-1, x.shape[-1]), out.view(-1, weight.shape[0])
     for s in range(0, weight.shape[0], HEAD_CHUNK):

@@ -129,7 +129,9 @@ def test_chunked_head_is_the_head_and_is_removed_after_generation():
 
     head = torch.nn.Linear(8, HEAD_CHUNK * 2 + 5, bias=True)
     x = torch.randn(3, 1, 8)
-    torch.testing.assert_close(_chunked_head(head, x), head(x), atol=1e-6, rtol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(_chunked_head(head, x), head(x), atol=1e-6, rtol=1e-6)
+    assert _chunked_head(head, x).requires_grad  # with grad on it is the plain head (mm(out=) has no autograd)
     model, (ids, mask) = _model("llama"), _prompts()
     cfg = sampling_config(max_new_tokens=4, eos_token_ids=[EOS], pad_token_id=PAD)
     with torch.inference_mode():
