@@ -25,8 +25,8 @@ import types
 import torch
 from torch import Tensor
 
-from rloo_lightning.logprobs import cache_keyword, returned_cache
-from rloo_lightning.rollout import GenerationEngine, HFGenerateEngine, prompt_groups
+from rloo_lightning.logprobs import _base_model, cache_keyword, prefill_groups, returned_cache
+from rloo_lightning.rollout import GenerationEngine, HFGenerateEngine, generates_synced, prompt_groups
 
 __all__ = ["DecodeLoopEngine", "sample_from_logits", "plain_sampling"]
 
@@ -107,11 +107,9 @@ class DecodeLoopEngine(GenerationEngine):
         self._fallback = HFGenerateEngine(return_logprobs=return_logprobs)
 
     def generate(self, model, tokenizer, prompt_ids, prompt_mask, generation_config, seed):
-        synced = getattr(getattr(model, "generate", None), "keywords", {}).get("synced_gpus", False)
-        if synced or not plain_sampling(generation_config):
+        if generates_synced(model) or not plain_sampling(generation_config):
             return self._fallback.generate(model, tokenizer, prompt_ids, prompt_mask, generation_config, seed)
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        if not hasattr(base, "generate"):  # not a Hugging Face generative model: no KV cache to decode over
+        if not hasattr(_base_model(model), "generate"):  # not a Hugging Face generative model: no KV cache
             return self._fallback.generate(model, tokenizer, prompt_ids, prompt_mask, generation_config, seed)
         was_training = model.training
         model.eval()  # no dropout
@@ -138,16 +136,11 @@ class DecodeLoopEngine(GenerationEngine):
         keyword = cache_keyword(model)
         # Prefill each distinct prompt once; its cache and last logits serve its k rows.
         k = prompt_groups(prompt_ids, prompt_mask)
-        ids, mask = prompt_ids[::k], prompt_mask[::k]
-        positions = (mask.long().cumsum(1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        cache, logits = returned_cache(out), out.logits[:, -1]
+        cache, logits = prefill_groups(model, prompt_ids, prompt_mask, k)
+        logits = logits[:, -1].repeat_interleave(k, dim=0)
         if cache is None:
             raise ValueError(f"{type(model).__name__} returned no KV cache with use_cache=True: DecodeLoopEngine needs "
                              "one (generation_engine: rloo_lightning.rollout.HFGenerateEngine samples without)")
-        if k > 1:
-            cache.batch_repeat_interleave(k)
-            logits = logits.repeat_interleave(k, dim=0)
         tokens_out = torch.full((B, T), pad, dtype=torch.long, device=device)
         logp_out = torch.zeros(B, T, dtype=torch.float32, device=device)  # bf16-true sets the default dtype
         rows = torch.arange(B, device=device)  # the live rows' indices in the output

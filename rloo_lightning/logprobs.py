@@ -23,6 +23,7 @@ __all__ = [
     "completion_logits",
     "can_share_prompt",
     "shared_prompt_logits",
+    "prefill_groups",
     "worth_sharing",
     "sequence_logprobs",
 ]
@@ -241,6 +242,24 @@ def returned_cache(out):
     return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
+def prefill_groups(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, k: int):
+    """One forward of the distinct prompts of ``b = n*k`` rows (every k-th row) with the KV cache on.
+
+    Returns ``(cache, logits [n, 1, V])``: the last position's logits, and the cache repeated k times along the
+    batch (``b`` rows, in the autograd graph when grad is on); ``(None, logits)`` when the model returned no cache
+    that can be repeated. Positions come from the attention mask (left padding does not shift them).
+    """
+    ids, mask = prompt_ids[::k], prompt_mask[::k]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.long().cumsum(1) - 1).clamp(min=0),
+                use_cache=True, logits_to_keep=1)
+    cache = returned_cache(out)
+    if cache is None or not hasattr(cache, "batch_repeat_interleave"):
+        return None, out.logits
+    if k > 1:
+        cache.batch_repeat_interleave(k)
+    return cache, out.logits
+
+
 def shared_prompt_logits(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                          group_size: int) -> Tensor | None:
     """:func:`completion_logits` with one forward per prompt group: the prompt's KV cache is shared.
@@ -260,21 +279,17 @@ def shared_prompt_logits(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask
         ``[b, T', V]`` logits, or None when the model returned no cache (the caller runs the plain forward).
     """
     k, width = group_size, completion_ids.shape[1]
-    ids, mask = prompt_ids[::k], prompt_mask[::k]
-    head = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-                 use_cache=True, logits_to_keep=1)
-    cache = returned_cache(head)
-    if cache is None or not hasattr(cache, "batch_repeat_interleave"):
+    cache, head_logits = prefill_groups(model, prompt_ids, prompt_mask, k)
+    if cache is None:
         name = type(model).__name__
         if name not in _warned_no_cache:
             _warned_no_cache.add(name)
             warnings.warn(f"{name} returned no KV cache: each completion's prompt is run again (no prompt sharing)",
                           stacklevel=2)
         return None
-    first = head.logits[:, -1:].repeat_interleave(k, dim=0)  # [b, 1, V]: predicts completion token 0
+    first = head_logits[:, -1:].repeat_interleave(k, dim=0)  # [b, 1, V]: predicts completion token 0
     if width == 1:
         return first
-    cache.batch_repeat_interleave(k)
     attn = torch.cat([prompt_mask, torch.ones_like(completion_ids[:, :-1])], dim=1)
     positions = prompt_mask.sum(1, keepdim=True) + torch.arange(width - 1, device=completion_ids.device)
     tail = model(input_ids=completion_ids[:, :-1], attention_mask=attn, position_ids=positions,

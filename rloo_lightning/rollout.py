@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig
 
-from rloo_lightning.logprobs import cache_keyword, completion_mask, returned_cache
+from rloo_lightning.logprobs import _base_model, cache_keyword, completion_mask, prefill_groups
 
 __all__ = ["Rollout", "GenerationEngine", "HFGenerateEngine", "concat_groups", "sampling_config", "default_eos_ids",
            "derive_seed", "generate_rollout", "stop_string_ends", "generation_configs", "prompt_groups",
@@ -316,7 +316,7 @@ class HFGenerateEngine(GenerationEngine):
 
     def generate(self, model, tokenizer, prompt_ids, prompt_mask, generation_config, seed):
         # A peft wrapper generates with its base model's generation_config.
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = _base_model(model)
         was_training, shipped = model.training, base.generation_config
         # transformers fills every unset field of our config from the model's shipped one (min_p,
         # suppress_tokens, ... would truncate the sampler); an empty one leaves nothing to merge.
@@ -330,8 +330,7 @@ class HFGenerateEngine(GenerationEngine):
                 generation_config.temperature = self.sampler_temperature
         try:
             # Not where every forward gathers sharded weights (synced_gpus): ranks must run the same forwards.
-            synced = getattr(getattr(model, "generate", None), "keywords", {}).get("synced_gpus", False)
-            share = self.share_prompt and not synced
+            share = self.share_prompt and not generates_synced(model)
             prefilled = shared_prefill(model, prompt_ids, prompt_mask) if share else {}
             with _seeded_global_rng(seed, prompt_ids.device):
                 out = model.generate(
@@ -349,6 +348,12 @@ class HFGenerateEngine(GenerationEngine):
         return ids, torch.log_softmax(scores, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
 
 
+def generates_synced(model) -> bool:
+    """Whether ``model.generate`` was given ``synced_gpus=True`` (a sharded policy that gathers per forward: every
+    rank must run the same forwards, so nothing may add or skip one)."""
+    return bool(getattr(getattr(model, "generate", None), "keywords", {}).get("synced_gpus", False))
+
+
 def prompt_groups(prompt_ids: Tensor, prompt_mask: Tensor) -> int:
     """The largest ``g`` such that the rows are runs of ``g`` equal consecutive prompts (ids and mask): the gcd of
     the runs' lengths, so ``k`` (or a multiple of it) for a rollout's ``N*k`` rows even when two neighbouring
@@ -364,20 +369,13 @@ def shared_prefill(model, prompt_ids: Tensor, prompt_mask: Tensor) -> dict:
     prompt is one column wide, or the model returns no cache).
 
     ``generate`` then runs only the last prompt column and the decode steps: its sampling (and so its random
-    draws) is unchanged, the prefill costs ``N`` rows instead of ``N*k``. The positions are those
-    ``generate`` derives from the attention mask.
+    draws) is unchanged, the prefill costs ``N`` rows instead of ``N*k``.
     """
     k = prompt_groups(prompt_ids, prompt_mask)
     if k == 1 or prompt_ids.shape[1] < 2:
         return {}
-    ids, mask = prompt_ids[::k, :-1], prompt_mask[::k, :-1]
-    positions = (mask.long().cumsum(1) - 1).masked_fill(mask == 0, 1)  # as generate makes them
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-    cache = returned_cache(out)
-    if cache is None or not hasattr(cache, "batch_repeat_interleave"):
-        return {}
-    cache.batch_repeat_interleave(k)
-    return {cache_keyword(model): cache}
+    cache, _ = prefill_groups(model, prompt_ids[:, :-1], prompt_mask[:, :-1], k)
+    return {} if cache is None else {cache_keyword(model): cache}
 
 
 @contextlib.contextmanager
