@@ -117,7 +117,7 @@ def test_json_file_custom_prompt_column(tiny_model_dir, tmp_path):
                           prompt_column="question", val_size=2, batch_size=2)
     dm.setup("fit")
     assert len(dm.train_rows) == 4 and len(dm.val_rows) == 2
-    assert all(set(r["columns"]) == {"answer"} for r in dm.train_rows + dm.val_rows)
+    assert all(set(r["columns"]) == {"answer"} for r in [*dm.train_rows, *dm.val_rows])
 
 
 def test_validation_split_deterministic_for_seed(tiny_model_dir, tmp_path):

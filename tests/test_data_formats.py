@@ -319,7 +319,7 @@ def test_drop_long_prompts_drops_exactly_those_and_counts_them(tiny_model_dir, t
     assert [r["prompt"] for r in dm.train_rows] == ["abc=", "abcd=", "h="]
     assert [r["prompt"] for r in dm.val_rows] == ["ab="]
     assert dm.dropped == {"train": 3, "validation": 1}
-    assert all(len(r["input_ids"]) <= 5 for r in dm.train_rows + dm.val_rows)
+    assert all(len(r["input_ids"]) <= 5 for r in [*dm.train_rows, *dm.val_rows])
 
 
 def test_drop_counts_nothing_when_nothing_is_long(tiny_model_dir, tmp_path):

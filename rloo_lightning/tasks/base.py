@@ -24,7 +24,8 @@ class Task:
         reward: a reward function (see :mod:`rloo_lightning.rewards`).
         build_tiny_model: ``(directory) -> None``; saves a tokenizer and a warm-started model there
             (None for tasks meant for real pretrained models).
-        version: bump when the builder changes, so that stale caches are not reused.
+        version: bump when the builder or the rows change, so that stale caches (tiny models, prompt caches)
+            are not reused.
     """
 
     name: str

@@ -1,0 +1,127 @@
+"""PromptEncoder: a row's prompt to token ids: the chat template, the system prompt and the length check.
+
+Used once per row when the prompt cache is built (:mod:`rloo_lightning.data.cache`); its
+:meth:`PromptEncoder.identity` is the part of the cache key that says how rows were encoded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Iterable
+
+__all__ = ["PromptEncoder", "tokenizer_fingerprint"]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of everything that decides the tokenizer's ids: its serialized pipeline (vocabulary, merges,
+    normalizer, pre-tokenizer, post-processor with BOS/EOS) or, for a slow tokenizer, its vocabulary; its
+    class and special tokens. Two tokenizers with one fingerprint encode every text alike."""
+    h = hashlib.sha256()
+    h.update(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    h.update(json.dumps([getattr(tokenizer, a, None) for a in ("add_bos_token", "add_eos_token")]).encode())
+    return h.hexdigest()
+
+
+class PromptEncoder:
+    """Formats and tokenizes prompts as the data module's options say.
+
+    Args:
+        tokenizer: the policy's tokenizer.
+        tokenizer_name: how messages name it.
+        prompt_column, use_chat_template, system_prompt, on_long_prompt, max_prompt_length,
+            max_new_tokens: the data module's options of those names.
+        max_prompt_tokens: the longest prompt allowed (``max_prompt_length`` or the context's room).
+        context: the model's context length (None: unknown), for the long-prompt message.
+    """
+
+    def __init__(self, tokenizer, tokenizer_name: str, prompt_column: str, use_chat_template, system_prompt,
+                 on_long_prompt: str, max_prompt_length: int | None, max_new_tokens: int,
+                 max_prompt_tokens: int | None, context: int | None) -> None:
+        self.tokenizer = tokenizer
+        self.tokenizer_name = tokenizer_name
+        self.prompt_column = prompt_column
+        self.use_chat_template = use_chat_template
+        self.system_prompt = system_prompt
+        self.on_long_prompt = on_long_prompt
+        self.max_prompt_length = max_prompt_length
+        self.max_new_tokens = max_new_tokens
+        self.max_prompt_tokens = max_prompt_tokens
+        self.context = context
+
+    def identity(self) -> dict:
+        """What the cache key records of the encoding (any change re-encodes the rows)."""
+        return {"tokenizer": tokenizer_fingerprint(self.tokenizer), "chat_template": self.tokenizer.chat_template,
+                "use_chat_template": self.use_chat_template, "system_prompt": self.system_prompt,
+                "prompt_column": self.prompt_column, "max_prompt_tokens": self.max_prompt_tokens,
+                "on_long_prompt": self.on_long_prompt}
+
+    def format_prompt(self, prompt, where: str) -> tuple[str, bool]:
+        """The text fed to the model for ``prompt`` and whether it went through the chat template."""
+        has_template = bool(self.tokenizer.chat_template)
+        chat = isinstance(prompt, list) or self.system_prompt is not None or (
+            self.use_chat_template is True or (self.use_chat_template == "auto" and has_template))
+        if self.use_chat_template is False and (isinstance(prompt, list) or self.system_prompt is not None):
+            raise ValueError(f"{where}: a messages prompt or system_prompt needs use_chat_template")
+        if not chat:
+            return prompt, False
+        if not has_template:
+            raise ValueError(f"{where}: a messages prompt or system_prompt needs a chat template, and the "
+                             f"tokenizer of {self.tokenizer_name!r} has none")
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        if self.system_prompt is not None:
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as err:
+            raise ValueError(f"{where}: the chat template failed on this prompt: {err}") from err
+        return text, True
+
+    def _prompt(self, where: str, row: dict):
+        col = self.prompt_column
+        if col not in row:
+            raise ValueError(f"{where}: no prompt column {col!r}; columns are {sorted(row)}. Set `prompt_column`.")
+        prompt = row[col]
+        is_messages = isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+        if not (isinstance(prompt, str) and prompt) and not is_messages:
+            raise ValueError(f"{where}: prompt column {col!r} must be a non-empty string or a list of "
+                             f"{{'role', 'content'}} messages, got {prompt!r:.80}")
+        return prompt
+
+    def encode(self, pairs: Iterable[tuple[str, dict]]) -> list[dict | None]:
+        """Each ``(where, row)`` as ``{"input_ids", "prompt", "columns"}``, or None for a prompt dropped as
+        too long (``on_long_prompt: drop``). Raises ``ValueError`` naming the row for a bad row, or a long
+        prompt under ``on_long_prompt: error``. Tokenizes the batch in two calls (templated or not)."""
+        pairs = list(pairs)
+        formatted = [self.format_prompt(self._prompt(where, row), where) for where, row in pairs]
+        ids: list[list[int] | None] = [None] * len(pairs)
+        for templated in (True, False):
+            at = [i for i, (_, t) in enumerate(formatted) if t is templated]
+            if at:
+                # A chat template writes its own special tokens (BOS included); don't add them twice.
+                encoded = self.tokenizer([formatted[i][0] for i in at], add_special_tokens=not templated)["input_ids"]
+                for i, e in zip(at, encoded):
+                    ids[i] = e
+        out: list[dict | None] = []
+        for (where, row), row_ids in zip(pairs, ids):
+            if self.max_prompt_tokens is not None and len(row_ids) > self.max_prompt_tokens:
+                if self.on_long_prompt == "drop":
+                    out.append(None)
+                    continue
+                raise ValueError(f"{where}: prompt of {len(row_ids)} tokens {self._long_why()}; shorten it or "
+                                 "set on_long_prompt=drop")
+            col = self.prompt_column
+            out.append({"input_ids": row_ids, "prompt": row[col], "columns": {c: v for c, v in row.items() if c != col}})
+        return out
+
+    def _long_why(self) -> str:
+        if self.max_prompt_length is not None and self.max_prompt_tokens == self.max_prompt_length:
+            return f"exceeds max_prompt_length={self.max_prompt_length}"
+        return f"+ max_new_tokens={self.max_new_tokens} exceeds the model's context of {self.context} tokens"
