@@ -20,6 +20,7 @@ __all__ = [
     "token_entropy",
     "completion_mask",
     "masked_sum",
+    "mask_width",
     "completion_logits",
     "can_share_prompt",
     "shared_prompt_logits",
@@ -155,6 +156,16 @@ def masked_sum(values: Tensor, mask: Tensor, dim: int = -1) -> Tensor:
     return torch.where(mask.bool(), values, torch.zeros_like(values)).sum(dim)
 
 
+def mask_width(mask: Tensor) -> int:
+    """Columns up to the last one that any row of ``mask`` ``[b, T]`` covers (at least 1).
+
+    A single-turn mask is a prefix, so this is the longest completion. A multi-turn transcript's mask has holes
+    (the environment's tokens), and the width still reaches its last policy token.
+    """
+    covered = (mask > 0).any(0).nonzero()
+    return int(covered.max()) + 1 if covered.numel() else 1
+
+
 def completion_logits(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                       completion_mask: Tensor, group_size: int = 1) -> Tensor:
     """Logits ``[b, T', V]`` predicting each completion token, prompt and completion in one forward.
@@ -176,7 +187,7 @@ def completion_logits(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: T
     """
     start = int(prompt_mask.any(0).int().argmax())  # first column with a real prompt token
     prompt_ids, prompt_mask = prompt_ids[:, start:], prompt_mask[:, start:]
-    width = int(completion_mask.sum(1).max().clamp(min=1))
+    width = mask_width(completion_mask)
     completion_ids = completion_ids[:, :width]
     if group_size > 1 and can_share_prompt(model, prompt_ids, prompt_mask, group_size):
         logits = shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, group_size)

@@ -137,7 +137,8 @@ def main() -> None:
                                      "extra_rss_mb": drss, "target_extra_rss_mb": 200, "met_rss": drss <= 200}
     if args.smollm2:
         summary["smollm2_first_start_extra_s"] = round(
-            median(f"smollm2 {large} first", "start_to_step1_s") - median(f"smollm2 {small} first", "start_to_step1_s"), 2)
+            median(f"smollm2 {large} first", "start_to_step1_s")
+            - median(f"smollm2 {small} first", "start_to_step1_s"), 2)
         summary["smollm2_first_start_extra_rss_mb"] = (
             median(f"smollm2 {large} first", "peak_rss_mb") - median(f"smollm2 {small} first", "peak_rss_mb"))
     sizes = {n: files["reverse", n].stat().st_size for n in args.rows}

@@ -246,7 +246,8 @@ def run_score(spec_path: str, out_path: str) -> None:
                 for j, i in enumerate(idx):
                     ids[j, width - len(encoded[i]):] = torch.tensor(encoded[i])
                     mask[j, width - len(encoded[i]):] = 1
-                out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=spec["max_new_tokens"],
+                out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                     max_new_tokens=spec["max_new_tokens"],
                                      eos_token_id=eos, pad_token_id=tok.pad_token_id, top_k=None, top_p=None,
                                      temperature=None)
                 for j, i in enumerate(idx):
@@ -279,7 +280,8 @@ def _interval(d: list[float]) -> dict:
     n = len(d)
     mean = statistics.fmean(d)
     se = statistics.stdev(d) / math.sqrt(n) if n > 1 else float("nan")
-    return {"mean": round(mean, 4), "se": round(se, 4), "ci95": [round(mean - 1.96 * se, 4), round(mean + 1.96 * se, 4)]}
+    return {"mean": round(mean, 4), "se": round(se, 4),
+            "ci95": [round(mean - 1.96 * se, 4), round(mean + 1.96 * se, 4)]}
 
 
 def _prepare_gguf(workdir: Path, threads: int) -> str:
@@ -311,7 +313,8 @@ def summarize(runs: dict, start: dict, rows: int) -> dict:
             mid = (start_acc + final) / 2
             reach = next((c for c in curve[1:] if c[2] >= mid), None)
             per_run.append({"seed": r["seed"], "final_accuracy": round(final, 4),
-                            "curve": [{"step": c[0], "train_s": round(c[1], 1), "accuracy": round(c[2], 4)} for c in curve],
+                            "curve": [{"step": c[0], "train_s": round(c[1], 1), "accuracy": round(c[2], 4)}
+                                      for c in curve],
                             "time_to_midpoint_s": round(reach[1], 1) if reach and final > start_acc else None,
                             "step_to_midpoint": reach[0] if reach and final > start_acc else None,
                             "train_s": round(r["snapshots"][-1]["train_s"], 1), "startup_s": round(r["startup_s"], 1),

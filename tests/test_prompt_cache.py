@@ -24,7 +24,8 @@ def _write_jsonl(path, rows):
 
 def _rows(n):
     letters = "abcdefgh"
-    return [{"prompt": letters[i % 8] + letters[(i // 8) % 8] + letters[(i // 64) % 8] + "=", "id": i} for i in range(n)]
+    return [{"prompt": letters[i % 8] + letters[(i // 8) % 8] + letters[(i // 64) % 8] + "=", "id": i}
+            for i in range(n)]
 
 
 def _dm(tok_dir, cache, **kw):
@@ -121,8 +122,10 @@ def test_every_part_of_the_key_rebuilds(tiny_model_dir, tiny_model_dir_pad_eos, 
     _write_jsonl(data, _rows(30))
     cache = tmp_path / "c"
     base = dict(train_file=str(data), val_size=5)
-    chat1 = _chat_model(Path(tiny_model_dir), tmp_path / "chat1", "{% for m in messages %}u:{{ m['content'] }};{% endfor %}a:")
-    chat2 = _chat_model(Path(tiny_model_dir), tmp_path / "chat2", "{% for m in messages %}U{{ m['content'] }}{% endfor %}A")
+    chat1 = _chat_model(Path(tiny_model_dir), tmp_path / "chat1",
+                        "{% for m in messages %}u:{{ m['content'] }};{% endfor %}a:")
+    chat2 = _chat_model(Path(tiny_model_dir), tmp_path / "chat2",
+                        "{% for m in messages %}U{{ m['content'] }}{% endfor %}A")
     variants = [
         (tiny_model_dir, {}),
         (tiny_model_dir_pad_eos, {}),  # another tokenizer (its special tokens differ)

@@ -272,6 +272,7 @@ class PromptCache:
             meta["splits"][split] = w.rows
         (tmp / "all.arrow").unlink()
         meta["source_rows"] = {"all": n}
-        for split, count in (("train", sum(not is_val[i] for i in dropped)), (val_split, sum(is_val[i] for i in dropped))):
+        held = [bool(is_val[i]) for i in dropped]
+        for split, count in (("train", held.count(False)), (val_split, held.count(True))):
             if count:
                 meta["dropped"][split] = int(count)

@@ -118,7 +118,8 @@ class PromptEncoder:
                 raise ValueError(f"{where}: prompt of {len(row_ids)} tokens {self._long_why()}; shorten it or "
                                  "set on_long_prompt=drop")
             col = self.prompt_column
-            out.append({"input_ids": row_ids, "prompt": row[col], "columns": {c: v for c, v in row.items() if c != col}})
+            columns = {c: v for c, v in row.items() if c != col}
+            out.append({"input_ids": row_ids, "prompt": row[col], "columns": columns})
         return out
 
     def _long_why(self) -> str:

@@ -148,7 +148,8 @@ def task_sources(task: str, num_train_rows: int, num_val_rows: int, seed: int, p
     identity = {"task": task, "train_rows": num_train_rows, "val_rows": num_val_rows, "seed": seed,
                 "version": spec.version}
     return tuple(Source(f"task {task!r}", {**identity, "split": split},
-                        lambda split=split: ((f"task {task} {split} row {i}", r) for i, r in enumerate(splits()[split])))
+                        lambda split=split: ((f"task {task} {split} row {i}", r)
+                                             for i, r in enumerate(splits()[split])))
                  for split in ("train", "validation"))
 
 
@@ -158,7 +159,7 @@ def read_rows(source: str, split: str = "train", dataset_config: str | None = No
 
 
 def default_cache_dir() -> Path:
-    """``<the package's cache>/prompts``: ``$RLOO_LIGHTNING_CACHE/prompts``, else ``~/.cache/rloo_lightning/prompts``."""
+    """``$RLOO_LIGHTNING_CACHE/prompts``, else ``~/.cache/rloo_lightning/prompts``."""
     from rloo_lightning.tiny_models import cache_dir
 
     return cache_dir() / "prompts"
