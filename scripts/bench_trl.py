@@ -33,29 +33,21 @@ MATCH_OURS = {
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    spec = read_spec(args.spec)
-    set_threads(spec["threads"])
-
-    import torch
+def trl_dataset(spec: dict, tok):
+    """The task's training rows as TRL's dataset: chat ``messages`` prompts when the tokenizer has a chat
+    template (as our ``use_chat_template: auto``), every other column kept for the reward."""
     from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import RLOOConfig, RLOOTrainer
 
-    from rloo_lightning.models import load_tokenizer
-
-    tok = load_tokenizer(spec["hf_dir"])
     chat = bool(tok.chat_template)
-    rows = train_rows(spec)
-    dataset = Dataset.from_list([
+    return Dataset.from_list([
         {"prompt": [{"role": "user", "content": r["prompt"]}] if chat else r["prompt"],
          **{c: v for c, v in r.items() if c != "prompt"}}
-        for r in rows
+        for r in train_rows(spec)
     ])
+
+
+def trl_reward(spec: dict):
+    """Our reward function, wrapped for TRL's call."""
     ours = reward_fn(spec)
 
     def reward(prompts, completions, completion_ids, **columns):
@@ -66,6 +58,26 @@ def main() -> None:
         return ours(prompts, texts, completion_ids, **columns)
 
     reward.__name__ = ours.__name__
+    return reward
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    spec = read_spec(args.spec)
+    set_threads(spec["threads"])
+
+    import torch
+    from transformers import TrainerCallback
+    from trl import RLOOConfig, RLOOTrainer
+
+    from rloo_lightning.models import load_tokenizer
+
+    tok = load_tokenizer(spec["hf_dir"])
+    dataset = trl_dataset(spec, tok)
+    reward = trl_reward(spec)
 
     steps: dict[int, dict] = {}
 

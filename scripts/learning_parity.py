@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_common import QUICKSTART, child_env, read_spec, reward_fn, set_threads, train_rows, write_result
+from bench_common import QUICKSTART, child_env, read_spec, reward_fn, set_threads, write_result
 
 ROOT = QUICKSTART.parents[1]
 CONFIG = ROOT / "configs" / "smollm2_arithmetic.yaml"
@@ -147,28 +147,17 @@ def run_b(spec_path: str, out_path: str) -> None:
     spec = read_spec(spec_path)
     set_threads(spec["threads"])
     import torch
-    from datasets import Dataset
     from transformers import TrainerCallback
     from trl import RLOOConfig, RLOOTrainer
 
-    from bench_trl import MATCH_OURS
+    from bench_trl import MATCH_OURS, trl_dataset, trl_reward
     from rloo_lightning.models import load_tokenizer
 
     run_dir = Path(spec["run_dir"])
     snaps = Snapshots(spec, run_dir)
     tok = load_tokenizer(spec["hf_dir"])
-    rows = train_rows({"task": spec["task"], "num_train_rows": spec["num_train_rows"], "seed": spec["seed"]})
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
-                                  **{c: v for c, v in r.items() if c != "prompt"}} for r in rows])
-    ours = reward_fn(spec)
-
-    def reward(prompts, completions, completion_ids, **columns):
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        for extra in ("trainer_state", "log_extra", "log_metric"):
-            columns.pop(extra, None)
-        return ours(prompts, texts, completion_ids, **columns)
-
-    reward.__name__ = ours.__name__
+    dataset = trl_dataset(spec, tok)  # SmolLM2 has a chat template: messages prompts
+    reward = trl_reward(spec)
     rewards: list[float] = []
 
     class Snap(TrainerCallback):
