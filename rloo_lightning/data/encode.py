@@ -54,10 +54,14 @@ class PromptEncoder:
         self.max_new_tokens = max_new_tokens
         self.max_prompt_tokens = max_prompt_tokens
         self.context = context
+        self._fingerprint: str | None = None
 
     def identity(self) -> dict:
-        """What the cache key records of the encoding (any change re-encodes the rows)."""
-        return {"tokenizer": tokenizer_fingerprint(self.tokenizer), "chat_template": self.tokenizer.chat_template,
+        """What the cache key records of the encoding (any change re-encodes the rows). The tokenizer's
+        fingerprint serializes its whole pipeline: taken once, though ``prepare_data`` and ``setup`` both ask."""
+        if self._fingerprint is None:
+            self._fingerprint = tokenizer_fingerprint(self.tokenizer)
+        return {"tokenizer": self._fingerprint, "chat_template": self.tokenizer.chat_template,
                 "use_chat_template": self.use_chat_template, "system_prompt": self.system_prompt,
                 "prompt_column": self.prompt_column, "max_prompt_tokens": self.max_prompt_tokens,
                 "on_long_prompt": self.on_long_prompt}
