@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -26,12 +27,14 @@ __all__ = [
     "ValidationArgs",
     "PolicyArgs",
     "PredictArgs",
+    "EnvironmentArgs",
     "GROUPS",
     "Options",
     "check_options",
     "RENAMED",
     "as_group",
     "to_primitives",
+    "parse_on_error",
 ]
 
 
@@ -47,6 +50,25 @@ def _range(option: str, value: Any) -> tuple[float, float] | None:
     if len(value) != 2 or not value[0] < value[1]:
         raise ValueError(f"{option} must be [low, high] with low < high, got {value!r}")
     return (float(value[0]), float(value[1]))
+
+
+def parse_on_error(option: str, value: str | float | None) -> tuple[str, float | None]:
+    """An ``on_error`` option: ``("raise", None)``, ``("value", None)`` (a missing reward) or ``("value", x)``."""
+    if value is None:
+        return "value", None
+    if isinstance(value, bool):
+        raise ValueError(f"{option} must be 'raise', 'none' or a float, got {value!r}")
+    if isinstance(value, str) and value.strip().lower() == "raise":
+        return "raise", None
+    if isinstance(value, str) and value.strip().lower() in ("none", "null", "nan", "missing"):
+        return "value", None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{option} must be 'raise', 'none' (missing reward) or a float, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{option} must be finite (use 'none' for a missing reward), got {value!r}")
+    return "value", number
 
 
 def _set(group: Any, name: str, value: Any) -> None:
@@ -465,6 +487,63 @@ class PolicyArgs:
             raise ValueError("policy.lora: task_type is set by RLOOModule (CAUSAL_LM); remove it")
 
 
+@dataclass(frozen=True)
+class EnvironmentArgs:
+    """Multi-turn episodes: the policy acts in an environment over several turns (see
+    :mod:`rloo_lightning.environments` and ``docs/multiturn.md``). Off by default: one completion per sample,
+    the paper's setting.
+
+    Args:
+        class_path: the :class:`~rloo_lightning.environments.Environment` subclass, an import path
+            ``pkg.module.Class`` (importing runs its code). One instance is made per episode, with ``init_args``.
+            None = single-turn.
+        init_args: keyword arguments of the class.
+        max_turns: the most policy turns of an episode. An episode still going after them ends, flagged
+            truncated; the environment still scores it.
+        max_context_tokens: the most tokens of prompt plus transcript. An episode whose next turn (of up to
+            ``sampling.max_new_tokens``) could pass it ends before that turn, flagged truncated. None = no limit
+            (the model's context is then the user's to respect).
+        on_error: what an exception raised by the environment does: ``raise`` (an error naming the environment,
+            the prompt row and the turn), ``none`` (the episode ends with a missing reward: it leaves its
+            group's baseline and the loss) or a number (the episode ends with that reward). A warning names
+            the environment and the prompt each time.
+        reply_format: for a tokenizer without a chat template, the text appended after the policy's turn for
+            an environment message: a ``str.format`` pattern with ``{content}`` (and optionally ``{role}``).
+            With a chat template the template's own markers are used.
+
+    Cut episodes (``max_turns``, the context budget, or a turn that reached ``sampling.max_new_tokens``) are
+    ``truncated``: ``shaping.mask_truncated_completions`` leaves them out of the loss and of their group's
+    baseline, as it does a single-turn completion without EOS.
+    """
+
+    prefix: ClassVar[str] = "environment"
+    class_path: str | None = None
+    init_args: dict = field(default_factory=dict)
+    max_turns: int = 4
+    max_context_tokens: int | None = None
+    on_error: str | float = "raise"
+    reply_format: str = "\n{role}: {content}\nassistant: "
+
+    def __post_init__(self) -> None:
+        if self.class_path is not None and (not isinstance(self.class_path, str) or "." not in self.class_path):
+            raise ValueError(f"environment.class_path must be an import path 'package.module.Class', got "
+                             f"{self.class_path!r}")
+        if not isinstance(self.init_args, dict):
+            raise ValueError(f"environment.init_args must be a mapping, got {self.init_args!r}")
+        if self.max_turns < 1:
+            raise ValueError(f"environment.max_turns must be >= 1, got {self.max_turns}")
+        if self.max_context_tokens is not None and self.max_context_tokens < 1:
+            raise ValueError(f"environment.max_context_tokens must be >= 1 or null, got {self.max_context_tokens}")
+        parse_on_error("environment.on_error", self.on_error)
+        try:
+            self.reply_format.format(role="user", content="x")
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(f"environment.reply_format must be a str.format pattern with {{content}} (and "
+                             f"optionally {{role}}), got {self.reply_format!r}: {err!r}") from None
+        if "{content}" not in self.reply_format:
+            raise ValueError(f"environment.reply_format must contain {{content}}, got {self.reply_format!r}")
+
+
 GROUPS: dict[str, type] = {
     "rewards": RewardArgs,
     "sampling": SamplingArgs,
@@ -477,6 +556,7 @@ GROUPS: dict[str, type] = {
     "validation": ValidationArgs,
     "policy": PolicyArgs,
     "predict": PredictArgs,
+    "environment": EnvironmentArgs,
 }
 
 # The flat options of earlier versions and where each one lives now.
@@ -534,6 +614,13 @@ def check_options(c: Options) -> None:
     if c.update.updates_per_rollout > 1 and c.kl.placement == "token_reward" and c.update.clip_mode == "sequence":
         raise ValueError("kl.placement='token_reward' gives token advantages; with update.updates_per_rollout > 1 "
                          "use update.clip_mode='token'")
+    if c.environment.class_path is not None:
+        if c.sampling.stop_strings:
+            raise ValueError("sampling.stop_strings are not supported with environment.class_path: a policy turn ends "
+                             "at an EOS id (sampling.eos_token_ids)")
+        if c.shaping.overlong_buffer:
+            raise ValueError("shaping.overlong_buffer measures one completion against sampling.max_new_tokens; an "
+                             "episode has several turns: set it to 0 with environment.class_path")
     if c.kl.ref_sync_steps and (c.kl.beta == 0 or c.policy.lora):
         raise ValueError("kl.ref_sync_steps needs a reference of its own: kl.beta > 0 and no policy.lora (under "
                          "LoRA the reference is the frozen base, which cannot move)")

@@ -77,6 +77,12 @@ def train_metric_sums(rollout, entropy: Tensor, loss: Tensor) -> dict[str, tuple
         sums["train/correction/zero_fraction"] = (((w == 0).float() * on).sum(), on.sum())
     for name, (total, count) in (rollout.clip_stats or {}).items():
         sums[f"train/{name}"] = (torch.as_tensor(total), torch.as_tensor(count))
+    if rollout.turns is not None:  # a multi-turn rollout: per episode
+        context = rollout.context_mask
+        sums["train/turns"] = (rollout.turns.sum(), rows)
+        sums["train/truncated_episodes"] = (rollout.truncated.sum(), rows)
+        sums["train/policy_tokens"] = (mask.sum(), rows)
+        sums["train/env_tokens"] = ((context - mask).sum(), rows)
     for name, values in rollout.scores.items():
         ok = ~torch.isnan(values)
         sums[f"train/score/{name}"] = (torch.nan_to_num(values).sum(), ok.sum())

@@ -16,8 +16,8 @@ from rloo_lightning.callbacks.base import RolloutHook, ValidateAtStart
 from rloo_lightning.callbacks.checkpoint import FinalCheckpoint
 from rloo_lightning.callbacks.predict import PredictionWriter, prediction_rows
 from rloo_lightning.config import (
-    AdvantageArgs, CorrectionArgs, DynamicSamplingArgs, KLArgs, PolicyArgs, PredictArgs, RewardArgs, SamplingArgs,
-    ShapingArgs, UpdateArgs, ValidationArgs, GROUPS, Options, as_group, check_options, renamed_error, to_primitives,
+    AdvantageArgs, CorrectionArgs, DynamicSamplingArgs, EnvironmentArgs, KLArgs, PolicyArgs, PredictArgs, RewardArgs,
+    SamplingArgs, ShapingArgs, UpdateArgs, ValidationArgs, GROUPS, Options, as_group, check_options, renamed_error, to_primitives,
 )
 from rloo_lightning.correction import importance_weights, mismatch_sums, weighted_advantages
 from rloo_lightning.decode import DecodeLoopEngine
@@ -25,6 +25,7 @@ from rloo_lightning.dynamic_sampling import fill_informative
 from rloo_lightning.kl import fold_kl, mix_into_reference, reward_to_go, token_rewards_after_baseline
 from rloo_lightning.logprobs import sequence_logprobs, worth_sharing
 from rloo_lightning.losses import PolicyLoss
+from rloo_lightning.multiturn import EpisodeSampler
 from rloo_lightning.metrics import NoSignalWatch, pass_at_k, train_metric_sums
 from rloo_lightning.policy import Frozen, disable_dropout, export_pretrained, load_models, lora_config, prepare_policy
 from rloo_lightning.rewards import RewardSet
@@ -67,6 +68,7 @@ class RLOOModule(LightningModule):
         validation: what ``val/*`` measures (``ValidationArgs``).
         policy: loading and training the policy: GGUF, LoRA, gradient checkpointing (``PolicyArgs``).
         predict: what ``predict`` samples and where it writes (``PredictArgs``).
+        environment: multi-turn episodes in an environment, off by default (``EnvironmentArgs``).
         generation_engine: what samples the completions (:class:`~rloo_lightning.rollout.GenerationEngine`;
             default: :class:`~rloo_lightning.decode.DecodeLoopEngine`, a decode loop over the policy's KV cache;
             :class:`~rloo_lightning.rollout.HFGenerateEngine` is the policy's own ``generate``). In YAML
@@ -91,6 +93,7 @@ class RLOOModule(LightningModule):
         validation: ValidationArgs = ValidationArgs(),
         policy: PolicyArgs = PolicyArgs(),
         predict: PredictArgs = PredictArgs(),
+        environment: EnvironmentArgs = EnvironmentArgs(),
         generation_engine: GenerationEngine | None = None,
         time_phases: bool = False,
         checkpoint_every_n_steps: int = 0,
@@ -103,7 +106,7 @@ class RLOOModule(LightningModule):
             raise renamed_error(sorted(renamed), where="")
         given = dict(rewards=rewards, sampling=sampling, shaping=shaping, kl=kl, advantage=advantage, update=update,
                      correction=correction, dynamic_sampling=dynamic_sampling, validation=validation, policy=policy,
-                     predict=predict)
+                     predict=predict, environment=environment)
         cfg = {name: as_group(GROUPS[name], value) for name, value in given.items()}
         self.cfg = Options(**cfg)
         check_options(self.cfg)
@@ -125,6 +128,8 @@ class RLOOModule(LightningModule):
         self.rewards = RewardSet.from_specs(c.rewards.funcs, c.rewards.weights, timeout=c.rewards.timeout,
                                             num_workers=c.rewards.workers, on_error=c.rewards.on_error,
                                             chunk_size=c.rewards.chunk_size) if c.rewards.funcs else None
+        # Multi-turn: the environment class is imported now, for the same reason.
+        self.episodes = EpisodeSampler(c.environment) if c.environment.class_path else None
         # The options plug in as small objects at their point of the step (5: advantages, 6: the loss).
         self.advantage_estimator = AdvantageEstimator.from_args(c.advantage, c.sampling.k)
         self.policy_loss = PolicyLoss.from_args(c.update, c.kl)
@@ -148,9 +153,9 @@ class RLOOModule(LightningModule):
         # Before any model is loaded (Lightning calls configure_model after this).
         self.engine.check(self._trainer.strategy.root_device if self._trainer is not None else torch.device("cpu"))
         stage = getattr(stage, "value", stage)  # Lightning passes a TrainerFn ("fit", "validate", ...)
-        if self.rewards is None and stage != "predict":
+        if self.rewards is None and self.episodes is None and stage != "predict":
             raise ValueError(f"rewards.funcs must name at least one reward function: {stage} scores completions "
-                             "(only predict runs without)")
+                             "(only predict runs without, and an environment.class_path that gives the rewards)")
 
     # -- models --------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -303,17 +308,27 @@ class RLOOModule(LightningModule):
         """Sample ``k`` completions per prompt of ``batch`` from the policy (step 1)."""
         # Sharded policies (FSDP2, FSDP, ZeRO-3): parameters gathered once for the whole generate call, so that
         # ranks stopping at different lengths issue no collectives (no deadlock); a no-op otherwise.
+        config = self.greedy_config if greedy else self.generation_config
         with self.timer("generation"), sharding.gathered_for_generation(self.policy, self._strategy):
+            if self.episodes is not None:  # multi-turn: all turns inside the one gather (multiturn.py)
+                return self.episodes.sample(self.policy, self.tokenizer, batch, k, config, seed, self.engine,
+                                            self._grad_free(), self.reduce_across_ranks)
             return generate_rollout(self.policy, self.tokenizer, batch["input_ids"], batch["attention_mask"],
-                                    batch["prompt"], batch["columns"], k,
-                                    self.greedy_config if greedy else self.generation_config, seed,
+                                    batch["prompt"], batch["columns"], k, config, seed,
                                     engine=self.engine, grad_free=self._grad_free())
 
     def score(self, rollout: Rollout, shape: bool = True) -> None:
-        """Step 2: ``rollout.scores`` per reward function and ``rollout.rewards`` (weighted, then shaped)."""
+        """Step 2: ``rollout.scores`` per reward function and ``rollout.rewards`` (weighted, then shaped).
+
+        A multi-turn rollout adds its environment's reward, as the score ``environment`` (weight 1)."""
         with self.timer("reward"):
-            total, per_func = self.rewards.score(rollout.prompts, rollout.completions,
-                                                 rollout.completion_token_lists(), rollout.columns)
+            total, per_func = torch.zeros(len(rollout.prompts)), {}
+            if self.rewards is not None:
+                total, per_func = self.rewards.score(rollout.prompts, rollout.completions,
+                                                     rollout.completion_token_lists(), rollout.columns)
+            if rollout.env_rewards is not None:
+                total, per_func = total.to(self.device) + rollout.env_rewards, {**per_func,
+                                                                                 "environment": rollout.env_rewards}
             rollout.rewards = total.to(self.device)
             rollout.scores = {name: v.to(self.device) for name, v in per_func.items()}
             if shape:  # validation metrics use the unshaped reward
@@ -577,7 +592,7 @@ class RLOOModule(LightningModule):
             rollout = self.sample(batch, 1, 0, greedy=True)
         else:
             rollout = self.sample(batch, p.num_samples, self.sampling_seed("predict", batch_idx))
-        if self.rewards is not None:
+        if self.rewards is not None or self.episodes is not None:
             self.score(rollout, shape=False)
         return prediction_rows(rollout, batch["prompt"])
 

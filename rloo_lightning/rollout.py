@@ -52,6 +52,17 @@ class Rollout:
             mask), when the engine reports it; None for an engine that samples from pi_theta itself.
         mismatch: ``{name: (sum, count)}`` of :func:`~rloo_lightning.correction.mismatch_sums` (with ``sampler_logp``).
         is_weights: ``[B]`` or ``[B, T]`` detached importance weights pi_theta/pi_s (``correction.level``), else None.
+
+    A multi-turn rollout (``environment.class_path``, :mod:`rloo_lightning.multiturn`) holds each episode's whole
+    transcript in ``completion_ids``; ``completion_mask`` is 1 only on the tokens the policy sampled, so every loss
+    and KL term covers those alone. ``completions`` are the episodes' last policy turns (what reward functions
+    score) and ``columns["transcript"]`` their messages. Besides:
+
+    Attributes:
+        context_mask: ``[B, T]`` float, 1 on every transcript token (the policy's and the environment's).
+        final_turn_ids: each episode's last policy turn, as sampled (the reward functions' ``completion_ids``).
+        env_rewards: ``[B]`` the environment's reward of each episode (NaN: missing, ``environment.on_error``).
+        turns: ``[B]`` policy turns of each episode.
     """
 
     k: int
@@ -77,13 +88,19 @@ class Rollout:
     sampler_logp: Tensor | None = None
     mismatch: dict = field(default_factory=dict)
     is_weights: Tensor | None = None
+    context_mask: Tensor | None = None
+    final_turn_ids: list[list[int]] | None = None
+    env_rewards: Tensor | None = None
+    turns: Tensor | None = None
 
     @property
     def num_prompts(self) -> int:
         return self.completion_ids.shape[0] // self.k
 
     def completion_token_lists(self) -> list[list[int]]:
-        """Each completion's token ids, up to and including its EOS."""
+        """Each completion's token ids, up to and including its EOS (an episode's: its last policy turn)."""
+        if self.final_turn_ids is not None:
+            return [list(ids) for ids in self.final_turn_ids]
         lengths = self.completion_mask.sum(1).long().tolist()
         return [row[:n] for row, n in zip(self.completion_ids.tolist(), lengths)]
 
@@ -92,7 +109,8 @@ def concat_groups(parts: list[tuple[Rollout, list[int]]], pad_token_id: int) -> 
     """A scored rollout made of chosen prompt groups of several scored rollouts, in order.
 
     Prompts stay left-padded and completions right-padded to the widest part; only the fields
-    set before the loss (ids, masks, texts, columns, scores, rewards) are carried.
+    set before the loss (ids, masks, texts, columns, scores, rewards, and a multi-turn rollout's episode fields) are
+    carried.
 
     Args:
         parts: ``(rollout, group indices)`` pairs; every rollout has the same ``k`` and columns.
@@ -125,6 +143,11 @@ def concat_groups(parts: list[tuple[Rollout, list[int]]], pad_token_id: int) -> 
         scores={n: cat(lambda r, n=n: r.scores[n]) for n in names},
         rewards=cat(lambda r: r.rewards),
         sampler_logp=None if rows[0][0].sampler_logp is None else cat(lambda r: r.sampler_logp, comp_w, 0.0),
+        context_mask=None if rows[0][0].context_mask is None else cat(lambda r: r.context_mask, comp_w, 0),
+        final_turn_ids=None if rows[0][0].final_turn_ids is None else [r.final_turn_ids[i] for r, idx in rows
+                                                                       for i in idx],
+        env_rewards=None if rows[0][0].env_rewards is None else cat(lambda r: r.env_rewards),
+        turns=None if rows[0][0].turns is None else cat(lambda r: r.turns),
     )
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rloo_lightning.environments import EnvStep, Environment, Message
-from rloo_lightning.multiturn import Episode, TurnFormat, assemble_transcripts, run_episodes
+from rloo_lightning.multiturn import Episode, EpisodeError, TurnFormat, assemble_transcripts, run_episodes
 from rloo_lightning.tiny_models import build_char_tokenizer
 
 CHAT = ("{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}<e>{% endfor %}"
@@ -159,7 +159,7 @@ def test_an_environment_error_names_the_environment_the_row_and_the_turn():
         def step(self, turn):
             return 1.0
 
-    with pytest.raises(TypeError, match=r"Wrong.step returned float on r0; it must return an EnvStep"):
+    with pytest.raises(EpisodeError, match=r"Wrong.step returned float on r0, turn 0; it must return an EnvStep"):
         run_episodes(_scripted_generate(tok, [["a<e>"]], []), tok, prompt_ids, prompt_mask, [Episode(Wrong())], fmt,
                      [eos], 4, 1, None, ["r0"])
 

@@ -140,7 +140,7 @@ def task_sources(task: str, num_train_rows: int, num_val_rows: int, seed: int, p
     def splits() -> dict[str, list[dict]]:  # generated on first use: a cache hit needs none of it
         if not made:
             made["train"] = make_rows(num_train_rows, seed)
-            held = {r[prompt_column] for r in made["train"] if prompt_column in r}
+            held = {r[prompt_column] for r in made["train"] if prompt_column in r} if spec.hold_out_prompts else set()
             made["validation"] = [r for r in make_rows(num_val_rows, seed + 1) if r.get(prompt_column) not in held]
         return made
 

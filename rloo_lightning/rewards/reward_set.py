@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from rloo_lightning.config import parse_on_error
 from rloo_lightning.rewards.parallel import WorkerPool
 from rloo_lightning.rewards.protocol import (
     RewardError,
@@ -30,26 +31,10 @@ __all__ = ["RewardSet"]
 
 def _parse_on_error(on_error: str | float | None) -> tuple[str, float | None]:
     """``("raise", None)``, ``("value", None)`` (None = missing) or ``("value", x)``."""
-    if on_error is None:
-        return "value", None
-    if isinstance(on_error, bool):
-        raise RewardError(f"rewards.on_error must be 'raise', 'none' or a float, got {on_error!r}")
-    if isinstance(on_error, (int, float)):
-        value = float(on_error)
-    elif isinstance(on_error, str) and on_error.strip().lower() == "raise":
-        return "raise", None
-    elif isinstance(on_error, str) and on_error.strip().lower() in ("none", "null", "nan", "missing"):
-        return "value", None
-    else:
-        try:
-            value = float(on_error)
-        except (TypeError, ValueError):
-            raise RewardError(
-                f"rewards.on_error must be 'raise', 'none' (missing reward) or a float, got {on_error!r}"
-            ) from None
-    if not math.isfinite(value):
-        raise RewardError(f"rewards.on_error must be finite (use 'none' for a missing reward), got {on_error!r}")
-    return "value", value
+    try:
+        return parse_on_error("rewards.on_error", on_error)
+    except ValueError as err:
+        raise RewardError(str(err)) from None
 
 
 # -- the weighted set --------------------------------------------------------------------------

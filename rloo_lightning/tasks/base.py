@@ -26,6 +26,8 @@ class Task:
             (None for tasks meant for real pretrained models).
         version: bump when the builder or the rows change, so that stale caches (tiny models, prompt caches)
             are not reused.
+        hold_out_prompts: remove validation rows whose prompt is a training prompt. False for a task whose
+            prompt tells nothing about the row (the answer is hidden in a column), where every prompt repeats.
     """
 
     name: str
@@ -33,6 +35,7 @@ class Task:
     reward: Callable[..., list[float | None]]
     build_tiny_model: Callable[[Path], None] | None
     version: int = 1
+    hold_out_prompts: bool = True
 
     def tiny_model_dir(self) -> Path:
         """Build the tiny model once (atomically: concurrent ranks may race) and return its directory."""

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from rloo_lightning.tasks import arithmetic, reverse
+from rloo_lightning.tasks import arithmetic, guess, reverse
 from rloo_lightning.tasks.base import Task
 
 __all__ = ["TASKS", "get_task"]
 
-TASKS: dict[str, Task] = {t.name: t for t in (reverse.TASK, arithmetic.TASK)}
+TASKS: dict[str, Task] = {t.name: t for t in (reverse.TASK, arithmetic.TASK, guess.TASK)}
 
 
 def get_task(name: str) -> Task:
