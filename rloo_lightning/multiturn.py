@@ -146,7 +146,8 @@ def run_episodes(generate: Callable, tokenizer, prompt_ids: Tensor, prompt_mask:
         max_turns: the most policy turns of an episode. An episode still going after them is flagged truncated
             (``max_turns``). The reply that would have opened another turn is not appended.
         max_context: the most tokens of prompt plus transcript (None: no limit). An episode whose next turn
-            could pass it is flagged truncated (``context``) instead of taking that turn.
+            could pass it is flagged truncated (``context``) instead of taking that turn, and the reply that would
+            have opened that turn is dropped.
         where: each row's name for error messages (its prompt row).
         on_error: ``(episode, row, error)`` for an environment that raised; it ends the episode (``failed``). None:
             the :class:`EpisodeError` propagates.
@@ -165,6 +166,9 @@ def run_episodes(generate: Callable, tokenizer, prompt_ids: Tensor, prompt_mask:
                 continue
             if max_context is not None and len(prompts[i]) + ep.length() + max_new_tokens > max_context:
                 ep.done, ep.truncated, ep.cut_by = True, True, "context"
+                if ep.segments and not ep.segments[-1][1]:  # the reply that would have opened the cut turn
+                    ep.segments.pop()
+                    ep.messages.pop()
                 continue
             live.append(i)
         if keep_going is not None:

@@ -15,13 +15,18 @@ import textwrap
 import pytest
 import torch
 
+import rloo_lightning.exactness as exactness_py
 import rloo_lightning.module as module_py
+import rloo_lightning.multiturn as multiturn_py
 import rloo_lightning.rewards.reward_set as reward_set_py
 import rloo_lightning.rollout as rollout_py
 from rloo_lightning import advantages as advantages_py
 from rloo_lightning import logprobs as logprobs_py
 from rloo_lightning import losses as losses_py
 from rloo_lightning.exactness import (
+    check_multiturn_step,
+    exact_multiturn_objective,
+    make_multiturn_toy,
     TableSampler,
     check_training_step,
     completion_code,
@@ -246,3 +251,56 @@ def test_importance_correction_against_a_perturbed_sampler(toy, correction, unbi
 
     result = check_training_step(toy, DRAWS, options={"correction": correction}, sampler_table=perturbed_table(toy))
     assert result.unbiased == unbiased, result
+
+
+# -- multi-turn: a stochastic environment between two policy turns ----------------------------------------
+@pytest.fixture(scope="module")
+def multiturn_toy():
+    return make_multiturn_toy()
+
+
+def test_multiturn_enumeration_is_the_whole_distribution(multiturn_toy):
+    """beta = 0 and every reward 1: J is the total probability of the episodes (turn 1 alone, or with a turn 2)."""
+    import dataclasses
+
+    mt = multiturn_toy
+    ones = dataclasses.replace(mt, first_reward=torch.zeros_like(mt.first_reward),
+                               final_reward=torch.ones_like(mt.final_reward))
+    ended = sum(float(_context_probability(mt, p, y)) for p in range(3) for y in enumerate_completions(mt.toy)
+                if y[-1] == mt.toy.eos_id) / 3
+    torch.testing.assert_close(exact_multiturn_objective(ones, 0.0).item(), ended)
+
+
+def _context_probability(mt, p, y):
+    ids = mt.toy.tokenizer(mt.toy.prompts[p], add_special_tokens=False)["input_ids"]
+    return torch.exp(exactness_py._context_logprob(mt.toy.policy_table, mt.toy, ids, y))
+
+
+@pytest.mark.parametrize("options", [{}, {"sampling": {"k": 2}, "kl": {"beta": 0.0}}], ids=["default", "k2-beta0"])
+def test_multiturn_training_step_is_unbiased(multiturn_toy, options):
+    result = check_multiturn_step(multiturn_toy, DRAWS, options=options)
+    assert result.unbiased, result
+
+
+def _environment_tokens_as_policy_tokens(monkeypatch, loss: bool, kl: bool):
+    """Plant: the loss (``loss``) and / or the KL (``kl``) cover the environment's tokens too."""
+    sample, last = multiturn_py.EpisodeSampler.sample, {}
+
+    def widened(self, *args, **kwargs):
+        rollout = sample(self, *args, **kwargs)
+        last["context"] = rollout.context_mask
+        if loss:
+            rollout.completion_mask = rollout.context_mask
+        return rollout
+
+    monkeypatch.setattr(multiturn_py.EpisodeSampler, "sample", widened)
+    if kl:
+        fold = module_py.fold_kl
+        monkeypatch.setattr(module_py, "fold_kl", lambda rewards, logp, ref, mask, *a: fold(
+            rewards, logp, ref, last["context"], *a))
+
+
+@pytest.mark.parametrize("loss,kl", [(True, True), (False, True)], ids=["trains-on-env-tokens", "env-tokens-kl"])
+def test_multiturn_steps_that_count_environment_tokens_are_measured_as_biased(multiturn_toy, monkeypatch, loss, kl):
+    _environment_tokens_as_policy_tokens(monkeypatch, loss, kl)
+    assert not check_multiturn_step(multiturn_toy, DRAWS).unbiased

@@ -71,7 +71,8 @@ class SampleLogger(RolloutHook):
     """Every ``every_n_steps`` steps, a table of prompt / completion / scores / advantage as TensorBoard text.
 
     The rows come from rank 0's rollout (the first ``num_rows`` completions: whole prompt groups
-    first, so that a group's k answers can be compared).
+    first, so that a group's k answers can be compared). A multi-turn episode's completion is its transcript,
+    each message prefixed with its role (``[assistant] ... [user] ...``).
 
     Args:
         every_n_steps: period in optimizer steps.
@@ -98,9 +99,17 @@ class SampleLogger(RolloutHook):
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for i in range(min(self.num_rows, len(rollout.completions))):
             values = [rollout.rewards[i], *[rollout.scores[n][i] for n in names], rollout.advantages[i]]
-            lines.append("| " + " | ".join([cell(rollout.prompts[i]), cell(rollout.completions[i]),
+            lines.append("| " + " | ".join([cell(rollout.prompts[i]), cell(self.completion(rollout, i)),
                                             *[f"{float(v):.4g}" for v in values]]) + " |")
         return "\n".join(lines)
+
+    @staticmethod
+    def completion(rollout, i: int) -> str:
+        """Row ``i``'s completion, or its episode's messages with their roles."""
+        transcript = rollout.columns.get("transcript") if rollout.turns is not None else None
+        if transcript is None:
+            return rollout.completions[i]
+        return " ".join(f"[{m['role']}] {m['content']}" for m in transcript[i])
 
     def on_rollout_end(self, trainer: Trainer, pl_module: LightningModule, rollout) -> None:
         step = trainer.global_step
