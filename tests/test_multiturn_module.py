@@ -339,3 +339,26 @@ def test_an_engine_that_reports_log_probs_gives_them_for_the_policy_tokens(guess
     mask = rollout.completion_mask
     assert (rollout.sampler_logp[~mask.bool()] == 0).all()
     torch.testing.assert_close(rollout.sampler_logp * mask, logp * mask, atol=1e-4, rtol=0)
+
+
+def test_the_readme_environment_runs_as_written(tiny_model_dir, tmp_path, monkeypatch):
+    """README's ``my_env.py``, verbatim, given by class path to a module that samples and scores with it."""
+    import re
+    import sys
+
+    from cli_harness import REPO
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+                if b.startswith("# my_env.py")]
+    (tmp_path / "my_env.py").write_text(block)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_env", None)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    m = _module(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tok,
+                {"class_path": "my_env.Hint", "reply_format": "={content}="}, rewards={"funcs": [REVERSE]})
+    batch = prompt_batch(tok)
+    batch["columns"] = {"answer": [p[:-1][::-1] for p in batch["prompt"]]}
+    rollout = m.sample(batch, 4, seed=0)
+    m.score(rollout)
+    assert set(rollout.scores) == {"reward", "environment"} and rollout.turns.max() == 2

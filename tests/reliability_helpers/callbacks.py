@@ -57,7 +57,8 @@ class PoisonGrad(Callback):
 
 
 class RolloutRecorder(RolloutHook):
-    """Append ``{rank, global_step, epoch, prompts, completions, rewards}`` per rollout to ``path`` (rank suffixed)."""
+    """Append ``{rank, global_step, epoch, prompts, completions, rewards, transcripts}`` per rollout to ``path`` (rank
+    suffixed)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -71,6 +72,7 @@ class RolloutRecorder(RolloutHook):
             "prompts": rollout.prompts[::k],
             "completions": rollout.completions,
             "rewards": rollout.rewards.tolist(),
+            "transcripts": rollout.columns.get("transcript"),  # multi-turn episodes' messages (else None)
         }
         path = self.path if trainer.global_rank == 0 else f"{self.path}.rank{trainer.global_rank}"
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

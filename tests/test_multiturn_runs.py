@@ -1,0 +1,103 @@
+"""Multi-turn episodes through the CLI: a resumed run replays its episodes bit-identically, and ranks whose
+episodes take different numbers of turns train together under DDP and FSDP2 (2 CPU processes, gloo).
+
+The environment is ``multiturn_helpers.Noisy``: it replies a letter drawn from the episode's seed, so a replay
+that reseeded anything would show. Every run is a subprocess, started together where independent.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from cli_harness import CONFIGS, make_env, start_cli, wait_all
+from test_reliability import _assert_same_tensors, _flat_tensors, _jsonl, _load, _scalars
+
+pytestmark = pytest.mark.slow  # distributed and resumed CLI subprocesses
+
+TIMEOUT = 300
+STEPS, RESUME_AT = 6, 3
+
+
+def _args(root: Path, model: str, steps: int, *extra: str, config: str = "quickstart.yaml") -> list[str]:
+    return [
+        "fit", "--config", str(CONFIGS / config),
+        "--model.model_name_or_path", model,
+        "--model.rewards.funcs", "[]",
+        "--model.environment.class_path", "multiturn_helpers.Noisy",
+        "--model.environment.max_turns", "3",
+        "--model.sampling.max_new_tokens", "4",
+        "--trainer.max_steps", str(steps),
+        "--trainer.val_check_interval", str(steps),
+        "--trainer.default_root_dir", str(root),
+        "--trainer.enable_progress_bar", "false",
+        "--data.num_train_rows", "40",
+        "--data.num_val_rows", "4",
+        "--data.batch_size", "4",
+        *extra,
+    ]
+
+
+def _recorder(path: Path) -> list[str]:
+    return ["--trainer.callbacks+=reliability_helpers.callbacks.RolloutRecorder", f"--trainer.callbacks.path={path}"]
+
+
+def _every_step(dirpath: Path) -> list[str]:
+    return ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", f"--trainer.callbacks.dirpath={dirpath}",
+            "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_top_k=-1"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir, _cache_dir):
+    env = make_env(_cache_dir)
+    root = tmp_path_factory.mktemp("multiturn_runs")
+    turns = json.dumps({"turns_by_rank": [1, 3], "log": str(root / "{}" / "turns.txt")})
+    a = start_cli("a", _args(root / "a", tiny_model_dir, STEPS, *_every_step(root / "a" / "ckpt"),
+                             *_recorder(root / "a" / "rollouts.jsonl")), root / "a", env, timeout=TIMEOUT)
+    distributed = {}
+    for name, config, extra in (("ddp", "quickstart.yaml", ["--trainer.devices", "2", "--trainer.strategy", "ddp"]),
+                                ("fsdp2", "fsdp2_cpu.yaml", [])):
+        args = _args(root / name, tiny_model_dir, 3, "--model.environment.init_args", turns.replace("{}", name),
+                     *_recorder(root / name / "rollouts.jsonl"), *extra, config=config)
+        distributed[name] = start_cli(name, args, root / name, env, timeout=TIMEOUT)
+    wait_all(a, *distributed.values())
+    a.check()
+    ckpt = sorted((root / "a" / "ckpt").glob(f"epoch=*-step={RESUME_AT}.ckpt"))
+    assert len(ckpt) == 1
+    b = start_cli("b", _args(root / "b", tiny_model_dir, STEPS, "--ckpt_path", str(ckpt[0]),
+                             *_every_step(root / "b" / "ckpt"), *_recorder(root / "b" / "rollouts.jsonl")),
+                  root / "b", env, timeout=TIMEOUT).wait()
+    return {"root": root, "a": a, "b": b, **distributed}
+
+
+def test_a_resumed_run_replays_its_episodes_bit_identically(runs):
+    runs["b"].check()
+    root = runs["root"]
+    a = {r["global_step"]: r for r in _jsonl(root / "a" / "rollouts.jsonl")}
+    b = _jsonl(root / "b" / "rollouts.jsonl")
+    assert [r["global_step"] for r in b] == list(range(RESUME_AT, STEPS))
+    assert any(len(t) > 1 for r in b for t in r["transcripts"])  # there were replies to replay
+    for r in b:
+        ref = a[r["global_step"]]
+        assert (r["prompts"], r["transcripts"], r["rewards"]) == (ref["prompts"], ref["transcripts"], ref["rewards"])
+    last = lambda run: _load(sorted((root / run / "ckpt").glob(f"epoch=*-step={STEPS}.ckpt"))[0])  # noqa: E731
+    _assert_same_tensors(last("a")["state_dict"], last("b")["state_dict"], "final state_dict")
+    _assert_same_tensors(_flat_tensors(last("a")["optimizer_states"]), _flat_tensors(last("b")["optimizer_states"]),
+                         "final optimizer state")
+    scalars_a = _scalars(root / "a" / "lightning_logs" / "version_0")
+    scalars_b = _scalars(root / "b" / "lightning_logs" / "version_0")
+    for tag in ("train/turns", "train/env_tokens", "train/reward", "train/loss"):
+        assert all(scalars_b[tag][s] == scalars_a[tag][s] for s in range(RESUME_AT, STEPS)), tag
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_ranks_with_different_turn_counts_train_together(runs, name):
+    runs[name].check()  # no deadlock (the harness kills a hung run at its timeout), exit 0
+    lines = (runs["root"] / name / "turns.txt").read_text().split()
+    taken = {}
+    for rank, turns in zip(lines[::2], lines[1::2]):
+        taken.setdefault(int(rank), set()).add(int(turns))
+    assert taken[0] == {1}  # rank 0's episodes end after one turn
+    assert max(taken[1]) == 3  # rank 1's go on for three (some cut earlier by a turn without EOS)
+    assert "`max_steps=3` reached" in runs[name].stdout + runs[name].stderr
