@@ -83,6 +83,8 @@ def train_metric_sums(rollout, entropy: Tensor, loss: Tensor) -> dict[str, tuple
         sums["train/truncated_episodes"] = (rollout.truncated.sum(), rows)
         sums["train/policy_tokens"] = (mask.sum(), rows)
         sums["train/env_tokens"] = ((context - mask).sum(), rows)
+        for name, values in rollout.env_metrics.items():  # the environment's own, per episode
+            sums[f"train/{name}"] = (values.float().sum(), rows)
     for name, values in rollout.scores.items():
         ok = ~torch.isnan(values)
         sums[f"train/score/{name}"] = (torch.nan_to_num(values).sum(), ok.sum())

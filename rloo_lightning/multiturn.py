@@ -362,6 +362,9 @@ class EpisodeSampler:
                         raise error from err
                     self._failed(ep, i, error)
                     env_rewards.append(math.nan if self.on_error[1] is None else self.on_error[1])
+            names = type(episodes[0].env).metric_names if episodes else ()
+            env_metrics = {name: torch.tensor([float(ep.env.metrics().get(name, 0.0)) for ep in episodes])
+                           for name in names}
         finally:
             for ep in episodes:
                 try:
@@ -385,6 +388,7 @@ class EpisodeSampler:
             context_mask=context, final_turn_ids=final,
             env_rewards=torch.tensor(env_rewards, dtype=torch.float32, device=device),
             turns=torch.tensor([ep.turns for ep in episodes], device=device),
+            env_metrics={name: v.to(device) for name, v in env_metrics.items()},
         )
         return rollout
 

@@ -63,6 +63,7 @@ class Rollout:
         final_turn_ids: each episode's last policy turn, as sampled (the reward functions' ``completion_ids``).
         env_rewards: ``[B]`` the environment's reward of each episode (NaN: missing, ``environment.on_error``).
         turns: ``[B]`` policy turns of each episode.
+        env_metrics: ``{name: [B]}`` the environment's per-episode metrics (``Environment.metric_names``).
     """
 
     k: int
@@ -92,6 +93,7 @@ class Rollout:
     final_turn_ids: list[list[int]] | None = None
     env_rewards: Tensor | None = None
     turns: Tensor | None = None
+    env_metrics: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def num_prompts(self) -> int:
@@ -148,6 +150,7 @@ def concat_groups(parts: list[tuple[Rollout, list[int]]], pad_token_id: int) -> 
                                                                        for i in idx],
         env_rewards=None if rows[0][0].env_rewards is None else cat(lambda r: r.env_rewards),
         turns=None if rows[0][0].turns is None else cat(lambda r: r.turns),
+        env_metrics={n: cat(lambda r, n=n: r.env_metrics[n]) for n in rows[0][0].env_metrics},
     )
 
 

@@ -39,11 +39,13 @@ class PromptEncoder:
             max_new_tokens: the data module's options of those names.
         max_prompt_tokens: the longest prompt allowed (``max_prompt_length`` or the context's room).
         context: the model's context length (None: unknown), for the long-prompt message.
+        tools: tool schemas for every prompt (``data.tools``): given to a chat template that takes ``tools``,
+            else written as a system message (:func:`~rloo_lightning.environments.tools.tool_prompt`).
     """
 
     def __init__(self, tokenizer, tokenizer_name: str, prompt_column: str, use_chat_template, system_prompt,
                  on_long_prompt: str, max_prompt_length: int | None, max_new_tokens: int,
-                 max_prompt_tokens: int | None, context: int | None) -> None:
+                 max_prompt_tokens: int | None, context: int | None, tools: list[dict] | None = None) -> None:
         self.tokenizer = tokenizer
         self.tokenizer_name = tokenizer_name
         self.prompt_column = prompt_column
@@ -54,6 +56,7 @@ class PromptEncoder:
         self.max_new_tokens = max_new_tokens
         self.max_prompt_tokens = max_prompt_tokens
         self.context = context
+        self.tools = tools
         self._fingerprint: str | None = None
 
     def identity(self) -> dict:
@@ -64,25 +67,33 @@ class PromptEncoder:
         return {"tokenizer": self._fingerprint, "chat_template": self.tokenizer.chat_template,
                 "use_chat_template": self.use_chat_template, "system_prompt": self.system_prompt,
                 "prompt_column": self.prompt_column, "max_prompt_tokens": self.max_prompt_tokens,
-                "on_long_prompt": self.on_long_prompt}
+                "on_long_prompt": self.on_long_prompt, **({"tools": self.tools} if self.tools else {})}
 
     def format_prompt(self, prompt, where: str) -> tuple[str, bool]:
         """The text fed to the model for ``prompt`` and whether it went through the chat template."""
         has_template = bool(self.tokenizer.chat_template)
-        chat = isinstance(prompt, list) or self.system_prompt is not None or (
+        chat = isinstance(prompt, list) or self.system_prompt is not None or bool(self.tools) or (
             self.use_chat_template is True or (self.use_chat_template == "auto" and has_template))
-        if self.use_chat_template is False and (isinstance(prompt, list) or self.system_prompt is not None):
-            raise ValueError(f"{where}: a messages prompt or system_prompt needs use_chat_template")
+        if self.use_chat_template is False and (isinstance(prompt, list) or self.system_prompt is not None
+                                                or self.tools):
+            raise ValueError(f"{where}: a messages prompt, system_prompt or tools need use_chat_template")
         if not chat:
             return prompt, False
         if not has_template:
-            raise ValueError(f"{where}: a messages prompt or system_prompt needs a chat template, and the "
+            raise ValueError(f"{where}: a messages prompt, system_prompt or tools need a chat template, and the "
                              f"tokenizer of {self.tokenizer_name!r} has none")
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        if self.system_prompt is not None:
-            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        template_tools = bool(self.tools) and "tools" in self.tokenizer.chat_template
+        system = self.system_prompt
+        if self.tools and not template_tools:  # the documented fallback: the schemas and call format as text
+            from rloo_lightning.environments.tools import tool_prompt
+
+            system = tool_prompt(self.tools) + ("" if system is None else "\n\n" + system)
+        if system is not None:
+            messages = [{"role": "system", "content": system}, *messages]
+        extra = {"tools": self.tools} if template_tools else {}
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         except Exception as err:
             raise ValueError(f"{where}: the chat template failed on this prompt: {err}") from err
         return text, True

@@ -16,6 +16,7 @@ from rloo_lightning.data.cache import PromptCache, PromptRows
 from rloo_lightning.data.encode import PromptEncoder
 from rloo_lightning.data.sampling import ResumableDataLoader, ResumableSampler, collate_prompts
 from rloo_lightning.data.sources import default_cache_dir, file_source, task_sources
+from rloo_lightning.environments.tools import tool_schemas
 from rloo_lightning.models import context_length, load_tokenizer
 
 __all__ = ["PromptDataModule"]
@@ -56,6 +57,10 @@ class PromptDataModule(LightningDataModule):
             ``add_generation_prompt``) when it has one; ``true`` requires one; ``false`` never.
             A messages-list prompt always needs one.
         system_prompt: a system message put before every prompt (needs the chat template).
+        tools: tool functions (import paths) whose schemas go into every prompt, for a tool-using policy
+            (:mod:`rloo_lightning.environments.tools`; give the same list to the environment): a chat template
+            that takes ``tools`` renders them; otherwise a system message lists them with the call format
+            (:func:`~rloo_lightning.environments.tools.tool_prompt`), before ``system_prompt``.
         max_prompt_length: longest prompt in tokens (default: the model's context minus
             ``max_new_tokens``). A longer prompt is handled by ``on_long_prompt``.
         on_long_prompt: ``error`` (stop before training, naming the row) or ``drop`` (skip it,
@@ -94,6 +99,7 @@ class PromptDataModule(LightningDataModule):
         prompt_column: str = "prompt",
         use_chat_template: Literal["auto", True, False] = "auto",
         system_prompt: str | None = None,
+        tools: list[str] | None = None,
         max_prompt_length: int | None = None,
         on_long_prompt: Literal["error", "drop"] = "error",
         batch_size: int = 8,
@@ -124,6 +130,8 @@ class PromptDataModule(LightningDataModule):
         if max_prompt_length is not None and max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
         self.save_hyperparameters()
+        # Tool import paths resolve now: a typo fails before any tokenizer or model is loaded.
+        self.tool_schemas = tool_schemas(tools) if tools else None
         self._warn_ignored_options()
         self._warned_incomplete_batch = False
         self.tokenizer = None
@@ -282,7 +290,7 @@ class PromptDataModule(LightningDataModule):
             self.max_prompt_tokens = min(room, hp.max_prompt_length or room)
         self.encoder = PromptEncoder(self.tokenizer, hp.tokenizer_name_or_path, hp.prompt_column, hp.use_chat_template,
                                      hp.system_prompt, hp.on_long_prompt, hp.max_prompt_length, hp.max_new_tokens,
-                                     self.max_prompt_tokens, self.context)
+                                     self.max_prompt_tokens, self.context, tools=self.tool_schemas)
 
     def _log_dropped(self, meta: dict) -> None:
         for split, count in meta["dropped"].items():

@@ -1,4 +1,5 @@
-"""Environments for multi-turn episodes: the interface (:mod:`.base`)."""
+"""Environments for multi-turn episodes: the interface (:mod:`.base`), tool use (:mod:`.tools`), and the embedded
+``guess`` task's environment (:mod:`.guess`)."""
 
 from rloo_lightning.environments.base import EnvStep, Environment, Message, PolicyTurn
 

@@ -25,6 +25,7 @@ A class given by ``model.environment.class_path`` is made once per episode, with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 __all__ = ["EnvStep", "Environment", "Message", "PolicyTurn"]
 
@@ -78,7 +79,13 @@ class Environment:
 
     An episode is seeded from (seed, rank, step, the prompt's dataset row index, the sample index). Draw every
     random choice from the seed :meth:`reset` receives. A resumed run then replays its episodes exactly.
+
+    Attributes:
+        metric_names: the numbers :meth:`metrics` reports per episode, logged as ``train/<name>`` (their mean
+            over the step's episodes). Declared on the class, so that every rank logs the same names.
     """
+
+    metric_names: ClassVar[tuple[str, ...]] = ()
 
     def reset(self, row: dict, seed: int) -> None:
         """Start the episode.
@@ -100,6 +107,10 @@ class Environment:
         still scores a cut episode.
         """
         return 0.0
+
+    def metrics(self) -> dict[str, float]:
+        """This episode's values of :attr:`metric_names` (a name left out counts 0), read once it is over."""
+        return {}
 
     def close(self) -> None:
         """Release what the episode holds. Called once it is over, also after an error."""

@@ -255,7 +255,12 @@ def _check_signature(name: str, fn: RewardFunction) -> None:
 
 
 def invoke(fn: RewardFunction, mode: str, prompts, completions, completion_ids, columns: Mapping) -> list:
-    """Call ``fn`` as :func:`call_plan` decided; the values as a list (not yet checked)."""
+    """Call ``fn`` as :func:`call_plan` decided; the values as a list (not yet checked).
+
+    ``mode == "call"``: ``fn(**columns)`` as it returns (a tool call in a worker process, see
+    :mod:`rloo_lightning.environments.tools`)."""
+    if mode == "call":
+        return fn(**columns)
     if mode == "keyword":
         values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
     else:
