@@ -303,4 +303,5 @@ def _environment_tokens_as_policy_tokens(monkeypatch, loss: bool, kl: bool):
 @pytest.mark.parametrize("loss,kl", [(True, True), (False, True)], ids=["trains-on-env-tokens", "env-tokens-kl"])
 def test_multiturn_steps_that_count_environment_tokens_are_measured_as_biased(multiturn_toy, monkeypatch, loss, kl):
     _environment_tokens_as_policy_tokens(monkeypatch, loss, kl)
-    assert not check_multiturn_step(multiturn_toy, DRAWS).unbiased
+    # Training on them is caught at |z| = 75 with 100 draws; the KL alone at |z| = 5.1 (threshold 4.2): all 300.
+    assert not check_multiturn_step(multiturn_toy, 100 if loss else DRAWS).unbiased
