@@ -17,7 +17,8 @@ from rloo_lightning.callbacks.checkpoint import FinalCheckpoint
 from rloo_lightning.callbacks.predict import PredictionWriter, prediction_rows
 from rloo_lightning.config import (
     AdvantageArgs, CorrectionArgs, DynamicSamplingArgs, EnvironmentArgs, KLArgs, PolicyArgs, PredictArgs, RewardArgs,
-    SamplingArgs, ShapingArgs, UpdateArgs, ValidationArgs, GROUPS, Options, as_group, check_options, renamed_error, to_primitives,
+    SamplingArgs, ShapingArgs, UpdateArgs, ValidationArgs, GROUPS, Options, as_group, check_options, renamed_error,
+    to_primitives,
 )
 from rloo_lightning.correction import importance_weights, mismatch_sums, weighted_advantages
 from rloo_lightning.decode import DecodeLoopEngine
@@ -25,8 +26,8 @@ from rloo_lightning.dynamic_sampling import fill_informative
 from rloo_lightning.kl import fold_kl, mix_into_reference, reward_to_go, token_rewards_after_baseline
 from rloo_lightning.logprobs import sequence_logprobs, worth_sharing
 from rloo_lightning.losses import PolicyLoss
-from rloo_lightning.multiturn import EpisodeSampler
 from rloo_lightning.metrics import NoSignalWatch, pass_at_k, train_metric_sums
+from rloo_lightning.multiturn import EpisodeSampler
 from rloo_lightning.policy import Frozen, disable_dropout, export_pretrained, load_models, lora_config, prepare_policy
 from rloo_lightning.rewards import RewardSet
 from rloo_lightning.rewards.model import RewardModel

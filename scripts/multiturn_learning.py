@@ -60,7 +60,8 @@ def run(arm: str, seed: int, env: dict) -> dict:
     val = s["val/reward"]
     tokens_tag = "train/policy_tokens" if "train/policy_tokens" in s else "train/completion_length"
     episodes = 16 * 4  # data.batch_size x sampling.k of the config
-    return {"arm": arm, "seed": seed, "wall_s": round(wall, 1), "val_reward": {str(k): v for k, v in sorted(val.items())},
+    return {"arm": arm, "seed": seed, "wall_s": round(wall, 1),
+            "val_reward": {str(k): v for k, v in sorted(val.items())},
             "start": val[min(val)], "final": val[max(val)], "steps": max(s["train/reward"]) + 1,
             "policy_tokens": round(sum(s[tokens_tag].values()) * episodes)}
 

@@ -7,7 +7,6 @@ In-process tests on tiny random models (the CLI runs, with DDP / FSDP2 and resum
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -322,7 +321,8 @@ def test_dynamic_sampling_keeps_the_episode_fields(guess_model):
         m.score(r)
     joined = concat_groups([(a, [0, 2]), (b, [1])], tok.pad_token_id)
     assert joined.context_mask.shape == joined.completion_ids.shape and len(joined.final_turn_ids) == 12
-    torch.testing.assert_close(joined.env_rewards, torch.cat([a.env_rewards[:4], a.env_rewards[8:], b.env_rewards[4:8]]))
+    expected = torch.cat([a.env_rewards[:4], a.env_rewards[8:], b.env_rewards[4:8]])
+    torch.testing.assert_close(joined.env_rewards, expected)
     assert joined.columns["transcript"][4] == a.columns["transcript"][8]
 
 

@@ -44,7 +44,8 @@ def _recorder(path: Path) -> list[str]:
 
 
 def _every_step(dirpath: Path) -> list[str]:
-    return ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", f"--trainer.callbacks.dirpath={dirpath}",
+    return ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={dirpath}",
             "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_top_k=-1"]
 
 

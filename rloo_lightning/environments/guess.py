@@ -16,8 +16,8 @@ class GuessEnvironment(Environment):
 
     Args:
         guesses: guesses per episode (the reply after the last one is not given).
-        feedback: ``positions`` (the right letters) or ``none``: a reply of one ``?`` per letter, which tells nothing (the
-            control that shows the policy uses the reply).
+        feedback: ``positions`` (the right letters) or ``none``: a reply of one ``?`` per letter, which tells
+            nothing (the control that shows the policy uses the reply).
     """
 
     def __init__(self, guesses: int = 2, feedback: str = "positions") -> None:
