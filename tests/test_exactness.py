@@ -276,9 +276,9 @@ def _context_probability(mt, p, y):
     return torch.exp(exactness_py._context_logprob(mt.toy.policy_table, mt.toy, ids, y))
 
 
-@pytest.mark.parametrize("options", [{}, {"sampling": {"k": 2}, "kl": {"beta": 0.0}}], ids=["default", "k2-beta0"])
-def test_multiturn_training_step_is_unbiased(multiturn_toy, options):
-    result = check_multiturn_step(multiturn_toy, DRAWS, options=options)
+def test_multiturn_training_step_is_unbiased(multiturn_toy):
+    """The default (k = 4, beta = 0.1); the single-turn tests cover the other k and beta (the suite's time budget)."""
+    result = check_multiturn_step(multiturn_toy, DRAWS)
     assert result.unbiased, result
 
 

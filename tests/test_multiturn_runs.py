@@ -17,7 +17,7 @@ from test_reliability import _assert_same_tensors, _flat_tensors, _jsonl, _load,
 pytestmark = pytest.mark.slow  # distributed and resumed CLI subprocesses
 
 TIMEOUT = 300
-STEPS, RESUME_AT = 6, 3
+STEPS, RESUME_AT = 4, 2
 
 
 def _args(root: Path, model: str, steps: int, *extra: str, config: str = "quickstart.yaml") -> list[str]:
