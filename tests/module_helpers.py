@@ -35,3 +35,20 @@ def scored_rollout(module: RLOOModule, seed: int = 5, reward_seed: int = 1) -> R
     rollout = module.sample(prompt_batch(module.tokenizer), module.cfg.sampling.k, seed=seed)
     rollout.rewards = torch.rand(rollout.completion_ids.shape[0], generator=torch.Generator().manual_seed(reward_seed))
     return rollout
+
+
+def retain_policy_logprobs(module: RLOOModule, monkeypatch) -> dict:
+    """Patch ``module.logprobs`` so that the policy's log-probs with grad (and their rollout) are kept, their
+    ``.grad`` retained: after ``backward``, ``kept["logp"].grad`` is the loss's gradient per token."""
+    kept = {}
+    logprobs = module.logprobs
+
+    def keep(model, rollout, rows=slice(None), with_entropy=False):
+        logp, entropy = logprobs(model, rollout, rows, with_entropy)
+        if logp.requires_grad:
+            logp.retain_grad()
+            kept["logp"], kept["rollout"] = logp, rollout
+        return logp, entropy
+
+    monkeypatch.setattr(module, "logprobs", keep)
+    return kept

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from module_helpers import prompt_batch
+from module_helpers import prompt_batch, retain_policy_logprobs
 
 from rloo_lightning import RLOOModule
 from rloo_lightning.callbacks import SampleLogger
@@ -102,17 +102,7 @@ def test_the_transcript_is_the_completion_and_only_policy_tokens_are_in_the_mask
 def test_environment_tokens_get_exactly_zero_gradient(guess_model, monkeypatch):
     tok, model = guess_model
     m = _module(model, tok, GUESS_ENV, kl={"beta": 0.1})
-    kept = {}
-    logprobs = m.logprobs
-
-    def keep(model_, rollout, rows=slice(None), with_entropy=False):
-        logp, entropy = logprobs(model_, rollout, rows, with_entropy)
-        if logp.requires_grad:
-            logp.retain_grad()
-            kept["logp"], kept["rollout"] = logp, rollout
-        return logp, entropy
-
-    monkeypatch.setattr(m, "logprobs", keep)
+    kept = retain_policy_logprobs(m, monkeypatch)
     loss = m.training_step(_guess_batch(tok), 0)
     loss.backward()
     grad, rollout = kept["logp"].grad, kept["rollout"]

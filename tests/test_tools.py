@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from module_helpers import retain_policy_logprobs
 
 from rloo_lightning import RLOOModule
 from rloo_lightning.data import PromptDataModule, collate_prompts
@@ -161,17 +162,7 @@ def _tool_module(turns, **groups):
 
 def test_tool_results_are_context_with_zero_gradient_and_the_answer_is_scored(monkeypatch):
     m, tok, batch = _tool_module([_call("calculator", expression="3+4"), "the answer is 7"])
-    kept = {}
-    logprobs = m.logprobs
-
-    def keep(model_, rollout, rows=slice(None), with_entropy=False):
-        logp, entropy = logprobs(model_, rollout, rows, with_entropy)
-        if logp.requires_grad:
-            logp.retain_grad()
-            kept["logp"], kept["rollout"] = logp, rollout
-        return logp, entropy
-
-    monkeypatch.setattr(m, "logprobs", keep)
+    kept = retain_policy_logprobs(m, monkeypatch)
     loss = m.training_step(batch, 0)
     loss.backward()
     rollout = kept["rollout"]
