@@ -325,11 +325,7 @@ class EpisodeSampler:
             try:
                 ep.env.reset(row, derive_seed(seed, "env", rows[i // k], i % k))
             except Exception as err:
-                error = EpisodeError(f"environment {type(ep.env).__name__} failed to reset on {where[i]}: "
-                                     f"{type(err).__name__}: {err}")
-                if self.on_error[0] == "raise":
-                    raise error from err
-                self._failed(ep, i, error)
+                self._call_failed(ep, i, f" failed to reset on {where[i]}", err)
             episodes.append(ep)
 
         def generate(ids: Tensor, mask: Tensor, turn: int):
@@ -339,29 +335,23 @@ class EpisodeSampler:
             return tuple(t.clone() if t.is_inference() else t for t in out) if isinstance(out, (tuple, list)) \
                 else (out.clone() if out.is_inference() else out)
 
+        device = prompt_ids.device
         keep_going = None
         if reduce is not None and generates_synced(model):
-            device = prompt_ids.device
             keep_going = lambda live: bool(reduce(torch.tensor(float(live), device=device), "max") > 0)  # noqa: E731
         try:
             run_episodes(generate, tokenizer, prompt_ids, prompt_mask, episodes, fmt, eos,
                          int(generation_config.max_new_tokens), self.args.max_turns, self.args.max_context_tokens,
                          where, on_error=None if self.on_error[0] == "raise" else self._failed,
                          keep_going=keep_going)
-            env_rewards = []
             for i, ep in enumerate(episodes):
-                if ep.failed:
-                    env_rewards.append(math.nan if self.on_error[1] is None else self.on_error[1])
-                    continue
-                try:
-                    env_rewards.append(ep.env_reward + float(ep.env.final_reward(ep.truncated)))
-                except Exception as err:
-                    error = EpisodeError(f"environment {type(ep.env).__name__}.final_reward failed on {where[i]}: "
-                                         f"{type(err).__name__}: {err}")
-                    if self.on_error[0] == "raise":
-                        raise error from err
-                    self._failed(ep, i, error)
-                    env_rewards.append(math.nan if self.on_error[1] is None else self.on_error[1])
+                if not ep.failed:
+                    try:
+                        ep.env_reward += float(ep.env.final_reward(ep.truncated))
+                    except Exception as err:
+                        self._call_failed(ep, i, f".final_reward failed on {where[i]}", err)
+            failed = math.nan if self.on_error[1] is None else self.on_error[1]  # on_error's score
+            env_rewards = [failed if ep.failed else ep.env_reward for ep in episodes]
             names = type(episodes[0].env).metric_names if episodes else ()
             env_metrics = {name: torch.tensor([float(ep.env.metrics().get(name, 0.0)) for ep in episodes])
                            for name in names}
@@ -371,7 +361,6 @@ class EpisodeSampler:
                     ep.env.close()
                 except Exception:  # a failing close must not hide the episode's own error
                     pass
-        device = prompt_ids.device
         ids, policy, context = assemble_transcripts(episodes, tokenizer.pad_token_id if tokenizer.pad_token_id
                                                     is not None else eos[0], device)
         final = [next((seg for seg, is_policy in reversed(ep.segments) if is_policy), []) for ep in episodes]
@@ -391,6 +380,14 @@ class EpisodeSampler:
             env_metrics={name: v.to(device) for name, v in env_metrics.items()},
         )
         return rollout
+
+    def _call_failed(self, episode: Episode, row: int, what: str, err: Exception) -> None:
+        """An environment call outside the turn loop raised: raise an :class:`EpisodeError` naming the environment
+        and ``what`` (``on_error: raise``), or end the episode as ``on_error`` says."""
+        error = EpisodeError(f"environment {type(episode.env).__name__}{what}: {type(err).__name__}: {err}")
+        if self.on_error[0] == "raise":
+            raise error from err
+        self._failed(episode, row, error)
 
     def _failed(self, episode: Episode, row: int, error: EpisodeError) -> None:
         episode.done, episode.failed = True, True
