@@ -256,7 +256,8 @@ def toy_module(toy: Toy, options: dict | None = None, seed: int = 0, callbacks: 
                sampler_table: Tensor | None = None):
     """An :class:`~rloo_lightning.RLOOModule` on the toy: ``options`` are its option groups as dicts.
 
-    The sampling temperature and budget are the toy's; ``options["kl"]["beta"]`` defaults to 0.1.
+    The sampling temperature and budget are the toy's; ``options["kl"]["beta"]`` defaults to 0.1, and the
+    rewards to the toy's table (:class:`TableReward`; ``options["rewards"]`` replaces them).
     ``sampler_table``: the engine samples from it and reports its log-probs (see :class:`TableSampler`).
     """
     from rloo_lightning.module import RLOOModule
@@ -265,8 +266,8 @@ def toy_module(toy: Toy, options: dict | None = None, seed: int = 0, callbacks: 
     options.setdefault("sampling", {}).update(temperature=toy.temperature, max_new_tokens=toy.max_len)
     options.setdefault("kl", {}).setdefault("beta", 0.1)
     options.setdefault("validation", {}).setdefault("at_start", False)
-    module = RLOOModule("toy", rewards={"funcs": [TableReward(toy)]},
-                        generation_engine=TableSampler(toy, seed, sampler_table), **options)
+    options.setdefault("rewards", {"funcs": [TableReward(toy)]})
+    module = RLOOModule("toy", generation_engine=TableSampler(toy, seed, sampler_table), **options)
     vocab = len(toy.tokenizer)
     policy = TabularCausalLM(toy.policy_table, vocab, list(toy.emit), toy.eos_id)
     reference = TabularCausalLM(toy.ref_table, vocab, list(toy.emit), toy.eos_id)
@@ -288,10 +289,17 @@ def training_step_draws(toy: Toy, num_draws: int, repeats: int = 16, options: di
     Each batch holds every prompt ``repeats`` times (``k`` samples each), so each draw estimates
     ``grad J`` averaged over the prompts, as :func:`exact_objective` is.
     """
-    module = toy_module(toy, options, seed, sampler_table=sampler_table)
-    batch = toy_batch(toy, repeats)
+    return _step_draws(toy_module(toy, options, seed, sampler_table=sampler_table), toy_batch(toy, repeats),
+                       num_draws)
+
+
+def _step_draws(module, batch: dict, num_draws: int, fresh_rows: bool = False) -> Tensor:
+    """``[n, D]``: ``-grad`` of ``module.training_step``'s loss on ``batch``, ``n`` times. ``fresh_rows``: each
+    draw gives the batch rows of its own (``row_index``), so that its episodes are seeded afresh."""
     draws = []
     for i in range(num_draws):
+        if fresh_rows:
+            batch["row_index"] = torch.arange(i * len(batch["prompt"]), (i + 1) * len(batch["prompt"]))
         loss = module.training_step(batch, i)
         module.policy.table.grad = None
         module.on_before_backward(loss)  # as Lightning's backward does: earlier micro-batches' gradients join
@@ -516,29 +524,11 @@ def multiturn_step_draws(mt: MultiTurnToy, num_draws: int, repeats: int = 16, op
     """``[n, D]`` float64: ``-grad`` of ``RLOOModule.training_step``'s loss on ``n`` batches of episodes, played
     by the module's own multi-turn rollout with :class:`ToyEnvironment`. Each batch gets rows of its own
     (``row_index``), so its episodes are seeded afresh."""
-    from rloo_lightning.module import RLOOModule
-
-    toy = mt.toy
     options = {group: dict(values) for group, values in (options or {}).items()}
-    options.setdefault("sampling", {}).update(temperature=toy.temperature, max_new_tokens=toy.max_len)
-    options.setdefault("kl", {}).setdefault("beta", 0.1)
-    options.setdefault("validation", {}).setdefault("at_start", False)
+    options.setdefault("rewards", {})
     options.setdefault("environment", {}).update(class_path="rloo_lightning.exactness.ToyEnvironment",
                                                  init_args={"toy": id(mt)}, max_turns=2, reply_format="{content}")
-    module = RLOOModule("toy", rewards={}, generation_engine=TableSampler(toy, seed), **options)
-    vocab = len(toy.tokenizer)
-    module.attach(TabularCausalLM(toy.policy_table, vocab, list(toy.emit), toy.eos_id), toy.tokenizer,
-                  TabularCausalLM(toy.ref_table, vocab, list(toy.emit), toy.eos_id))
-    batch = toy_batch(toy, repeats)
-    draws = []
-    for i in range(num_draws):
-        batch["row_index"] = torch.arange(i * len(batch["prompt"]), (i + 1) * len(batch["prompt"]))
-        loss = module.training_step(batch, i)
-        module.policy.table.grad = None
-        module.on_before_backward(loss)
-        loss.backward()
-        draws.append(-module.policy.table.grad.reshape(-1).double())
-    return torch.stack(draws)
+    return _step_draws(toy_module(mt.toy, options, seed), toy_batch(mt.toy, repeats), num_draws, fresh_rows=True)
 
 
 def check_multiturn_step(mt: MultiTurnToy, num_draws: int = 200, repeats: int = 16, options: dict | None = None,
