@@ -69,6 +69,23 @@ def write_result(path: str, result: dict) -> None:
     Path(path).write_text(json.dumps(result, indent=1))
 
 
+def emit_json(results: dict, out: Path | None) -> None:
+    """A measurement script's results: printed as JSON, and written to ``out`` when given."""
+    text = json.dumps(results, indent=1)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
+    """``{tag: {step: value}}`` of a TensorBoard log folder (the last value of a step wins)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"]}
+
+
 def train_rows(spec: dict) -> list[dict]:
     """The training prompts: the embedded task's rows, as PromptDataModule(task=...) makes them."""
     from rloo_lightning.tasks import get_task

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_common import emit_json, tensorboard_scalars
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "multiturn.yaml"
 ARMS = {
@@ -40,14 +42,6 @@ ARMS = {
 }
 
 
-def _scalars(folder: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"]}
-
-
 def run(arm: str, seed: int, env: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "rloo_lightning", "fit", "--config", str(CONFIG), "--seed_everything", str(seed),
@@ -56,7 +50,7 @@ def run(arm: str, seed: int, env: dict) -> dict:
         start = time.perf_counter()
         subprocess.run(cmd, check=True, cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wall = time.perf_counter() - start
-        s = _scalars(Path(tmp) / "lightning_logs" / "version_0")
+        s = tensorboard_scalars(Path(tmp) / "lightning_logs" / "version_0")
     val = s["val/reward"]
     tokens_tag = "train/policy_tokens" if "train/policy_tokens" in s else "train/completion_length"
     episodes = 16 * 4  # data.batch_size x sampling.k of the config
@@ -121,10 +115,7 @@ def main() -> None:
                 print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     results = {"config": str(CONFIG.relative_to(ROOT)), "tiny_model_build_s": round(build, 1), "runs": runs,
                "summary": summarize(runs)}
-    text = json.dumps(results, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit_json(results, args.out)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_common import emit_json
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "smollm2_tools.yaml"
 NO_TOOL = ["--model.environment.class_path", "null", "--data.tools", "null"]
@@ -107,10 +109,7 @@ def main() -> None:
                "--trainer.enable_progress_bar", "false"]
     evaluate(f"step{args.steps}_tool", trained, [])
     evaluate(f"step{args.steps}_no_tool", trained, NO_TOOL)
-    text = json.dumps(results, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit_json(results, args.out)
 
 
 if __name__ == "__main__":
