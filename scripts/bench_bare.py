@@ -14,19 +14,13 @@ completion length, clipped ratio, entropy, loss, KL), read back once per step.
 
 from __future__ import annotations
 
-import argparse
 import copy
 
-from bench_common import Clock, encode_prompt, read_spec, reward_fn, set_threads, train_rows, write_result
+from bench_common import Clock, child_args, encode_prompt, reward_fn, train_rows, write_result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    spec = read_spec(args.spec)
-    set_threads(spec["threads"])
+    args, spec = child_args()
 
     import torch
     from transformers import GenerationConfig

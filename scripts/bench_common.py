@@ -61,6 +61,19 @@ def read_spec(path: str) -> dict:
     return json.loads(Path(path).read_text())
 
 
+def child_args() -> tuple:
+    """A benchmark child's ``--spec`` / ``--out`` arguments and its spec, with its thread count set."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    spec = read_spec(args.spec)
+    set_threads(spec["threads"])
+    return args, spec
+
+
 def write_result(path: str, result: dict) -> None:
     import torch
 

@@ -20,10 +20,9 @@ and reference forwards, forward + backward, optimizer and scheduler step).
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from bench_common import Clock, read_spec, reward_fn, set_threads, train_rows, write_result
+from bench_common import Clock, child_args, reward_fn, train_rows, write_result
 
 MATCH_OURS = {
     "optim": "adamw_torch",  # torch.optim.AdamW, as the quickstart (TRL's default: adamw_torch_fused)
@@ -62,12 +61,7 @@ def trl_reward(spec: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    spec = read_spec(args.spec)
-    set_threads(spec["threads"])
+    args, spec = child_args()
 
     import torch
     from transformers import TrainerCallback
