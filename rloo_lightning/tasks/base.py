@@ -9,9 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from rloo_lightning.tiny_models import cache_dir
 
-__all__ = ["Task"]
+__all__ = ["Task", "segments_nll"]
 
 
 @dataclass(frozen=True)
@@ -56,3 +58,25 @@ class Task:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return final
+
+
+def segments_nll(model, pad: int, transcripts: list[list[tuple[list[int], bool]]]) -> torch.Tensor:
+    """Mean NLL of the trained segments of each transcript, given everything before them (for warm starts).
+
+    ``transcripts[i]`` is a list of ``(ids, trained)`` segments; row ``i`` is their concatenation, right-padded
+    with ``pad``. Returns a scalar: the model's token-mean cross-entropy over the ``trained`` segments' tokens.
+    """
+    flat = [[t for seg, _ in segs for t in seg] for segs in transcripts]
+    width = max(map(len, flat))
+    ids = torch.full((len(flat), width), pad)
+    labels = torch.full((len(flat), width), -100)
+    attn = torch.zeros((len(flat), width), dtype=torch.long)
+    for i, segs in enumerate(transcripts):
+        at = 0
+        for seg, trained in segs:
+            ids[i, at:at + len(seg)] = torch.tensor(seg)
+            if trained:
+                labels[i, at:at + len(seg)] = torch.tensor(seg)
+            at += len(seg)
+        attn[i, :at] = 1
+    return model(input_ids=ids, attention_mask=attn, labels=labels).loss

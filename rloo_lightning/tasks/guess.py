@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from rloo_lightning.tasks.base import Task
+from rloo_lightning.tasks.base import Task, segments_nll
 from rloo_lightning.tiny_models import build_char_tokenizer, build_tiny_llama
 
 LETTERS = "ab"
@@ -84,31 +84,13 @@ def build_tiny_model(directory: Path) -> None:
                 reply = marks(first, row["secret"]) if rng.random() < 0.5 else "?" * n
                 pieces.append([(ids_of(row["prompt"]), False), (ids_of(first) + [eos], True),
                                (ids_of(REPLY_FORMAT.format(content=reply)), False), (ids_of(second) + [eos], True)])
-            loss = _segments_nll(model, tok.pad_token_id, pieces)
+            loss = segments_nll(model, tok.pad_token_id, pieces)
             opt.zero_grad()
             loss.backward()
             opt.step()
     model.eval()
     model.save_pretrained(directory)
     tok.save_pretrained(directory)
-
-
-def _segments_nll(model, pad: int, transcripts: list[list[tuple[list[int], bool]]]) -> torch.Tensor:
-    """Mean NLL of the trained segments of each transcript, given everything before them."""
-    flat = [[t for seg, _ in segs for t in seg] for segs in transcripts]
-    width = max(map(len, flat))
-    ids = torch.full((len(flat), width), pad)
-    labels = torch.full((len(flat), width), -100)
-    attn = torch.zeros((len(flat), width), dtype=torch.long)
-    for i, segs in enumerate(transcripts):
-        at = 0
-        for seg, trained in segs:
-            ids[i, at:at + len(seg)] = torch.tensor(seg)
-            if trained:
-                labels[i, at:at + len(seg)] = torch.tensor(seg)
-            at += len(seg)
-        attn[i, :at] = 1
-    return model(input_ids=ids, attention_mask=attn, labels=labels).loss
 
 
 TASK = Task(name="guess", make_rows=make_rows, reward=reward, build_tiny_model=build_tiny_model, version=1,
