@@ -38,3 +38,52 @@ def hang(seconds: float) -> str:
 def untyped(x):
     """No type hints."""
     return x
+
+
+# -- a tiny policy that writes calculator calls, for the CLI resume test -------------------------------------------
+CALL_OPEN = '<tool_call>{"name": "calculator", "arguments": {"expression": "'
+CALL_CLOSE = '"}}</tool_call>'
+
+
+def build_tool_caller(directory) -> None:
+    """A tiny Llama over eight tokens: the specials, ``CALL_OPEN``, ``CALL_CLOSE``, ``3`` and ``+`` (every other
+    character encodes as ``<unk>``), warm-started for a few steps on first turns like ``CALL_OPEN 3 + 3 CALL_CLOSE
+    <eos>``. Sampled at temperature 1 it writes valid calls, calls the calculator cannot parse (``3 +``) and
+    malformed ones, and answers."""
+    import random
+    import re
+
+    import torch
+
+    from rloo_lightning.tasks.base import segments_nll
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from rloo_lightning.tiny_models import build_tiny_llama
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, CALL_OPEN: 4, CALL_CLOSE: 5, "3": 6, "+": 7}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(f"{re.escape(CALL_OPEN)}|{re.escape(CALL_CLOSE)}|."),
+                                              behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                  unk_token="<unk>", padding_side="left", model_max_length=256)
+    model = build_tiny_llama(tok, hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=256, seed=0)
+    rng = random.Random(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(20):
+        turns = [[([3] * rng.randint(3, 8), False),
+                  ([4, *(rng.choice([6, 7]) for _ in range(rng.randint(1, 3))), 5, 2], True)] for _ in range(16)]
+        loss = segments_nll(model, 0, turns)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+
+
+def successful_calls(prompts, completions, completion_ids, transcript, **columns) -> list[float]:
+    """The number of tool results in each episode that are not errors."""
+    return [float(sum(m["role"] == "tool" and not m["content"].startswith("error (") for m in t))
+            for t in transcript]
