@@ -11,6 +11,9 @@ against the recorded file (0.0 everywhere = bit-identical trajectories). Prints 
 ``--markdown`` prints, instead of the JSON, the README's quickstart table (:func:`markdown_table`: every
 validation, rounded to 3 decimals, under a line naming this script and the package version); the wall time,
 which is not deterministic, goes to stderr. ``tests/test_readme_figures.py`` checks that README.md holds it verbatim.
+
+``--cache DIR`` builds the tiny model into ``DIR``, or takes the one a run of this package version built there
+(the test suite passes its session cache, whose model it builds anyway); by default a fresh temporary cache.
 """
 
 from __future__ import annotations
@@ -29,16 +32,17 @@ VAL_TAGS = ["val/reward", "val/reward_greedy", "val/accuracy_greedy"]  # the REA
 TAGS = [*VAL_TAGS, "train/reward", "train/kl", "train/loss", "train/completion_length"]
 
 
-def run() -> tuple[dict[str, list[list[float]]], float]:
+def run(cache: Path | None = None) -> tuple[dict[str, list[list[float]]], float]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "RLOO_LIGHTNING_CACHE": str(Path(tmp) / "cache")}  # the tiny model built anew
+        # the tiny model built anew (or by this version, in ``cache``): never one of an older builder
+        env = {**os.environ, "RLOO_LIGHTNING_CACHE": str(cache or Path(tmp) / "cache")}
         cmd = [sys.executable, "-m", "rloo_lightning", "fit", "--config", str(ROOT / "configs" / "quickstart.yaml"),
                "--trainer.default_root_dir", tmp, "--trainer.enable_progress_bar", "false"]
         start = time.perf_counter()
         subprocess.run(cmd, check=True, cwd=tmp, env=env, stdout=subprocess.DEVNULL)
-        wall = time.perf_counter() - start  # the whole fit: start-up, building the tiny model, 400 steps
+        wall = time.perf_counter() - start  # the whole fit: start-up, building the tiny model (if new), 400 steps
         acc = EventAccumulator(str(Path(tmp) / "lightning_logs" / "version_0"), size_guidance={"scalars": 0})
         acc.Reload()
         have = set(acc.Tags()["scalars"])
@@ -64,8 +68,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--compare", type=Path)
     parser.add_argument("--markdown", action="store_true", help="print the README's table instead of the JSON")
+    parser.add_argument("--cache", type=Path, help="model cache to build into or reuse (default: a fresh one)")
     args = parser.parse_args()
-    curves, wall = run()
+    curves, wall = run(args.cache)
     if args.markdown:
         sys.path.insert(0, str(ROOT))
         from rloo_lightning import __version__

@@ -2,7 +2,8 @@
 
 * fast: the table in README.md equals :func:`markdown_table` of the committed baseline
   ``docs/quickstart_trajectory.json`` at ``rloo_lightning.__version__`` (README and baseline agree);
-* slow: the script re-runs the quickstart (about a minute on 2 cores) and its ``--markdown`` output must appear
+* slow: the script re-runs the quickstart (about a minute on 2 cores), with the tiny model this session's cache
+  built (the builder at this version, as a fresh cache would have it), and its ``--markdown`` output must appear
   in README.md verbatim. It fails when a change moves the trajectory or the version: re-run the script, paste
   its output into the README, and re-record the baseline with ``--out docs/quickstart_trajectory.json``.
 """
@@ -55,8 +56,9 @@ def test_readme_table_matches_recorded_baseline():
 
 
 @pytest.mark.slow
-def test_readme_table_matches_a_fresh_quickstart_run(tmp_path):
-    # the script builds the tiny model in a fresh cache of its own; the thread count is left as a user has it
-    proc = start_script("quickstart_trajectory", SCRIPT, ["--markdown"], tmp_path,
+def test_readme_table_matches_a_fresh_quickstart_run(tmp_path, _cache_dir):
+    # the session's cache (built fresh for this session, shared with the other tests that need the quickstart
+    # model); the thread count is left as a user has it
+    proc = start_script("quickstart_trajectory", SCRIPT, ["--markdown", "--cache", str(_cache_dir)], tmp_path,
                         env=make_env(OMP_NUM_THREADS=None), timeout=900).check()
     _assert_in_readme(proc.stdout.strip(), "`python scripts/quickstart_trajectory.py --markdown` run now")
