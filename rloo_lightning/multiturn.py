@@ -36,15 +36,15 @@ _A, _O, _U = "QXASSISTANTQX", "QXOBSERVATIONQX", "QXUSERQX"
 class TurnFormat:
     """The ids appended around an environment message, read off the chat template once.
 
-    For a reply in role ``r`` with text ``c``, the appended ids are ``before[r] + tokens(c) + after``.
-    ``before[r]`` closes the policy's turn (whatever the template writes after an assistant message, less the
-    end-of-turn token the policy sampled itself) and opens a message in role ``r``. ``after`` closes it and
-    opens the next assistant turn, as ``add_generation_prompt`` does. Without a chat template, ``plain``
-    gives the markers as text.
+    For a reply in role ``r`` with text ``c``, the appended ids are ``before + tokens(c) + after``.
+    ``before`` closes the policy's turn (whatever the template writes after an assistant message, less the
+    end-of-turn token the policy sampled itself, when the template's closing starts with it) and opens a
+    message in role ``r``. ``after`` closes it and opens the next assistant turn, as ``add_generation_prompt``
+    does. Without a chat template, ``plain`` gives the markers as text.
     """
 
     tokenizer: object
-    before: dict[str, list[int]] = field(default_factory=dict)
+    before: dict[tuple[str, str], list[int]] = field(default_factory=dict)
     after: list[int] = field(default_factory=list)
     plain: str | None = None
     _strip: str = ""
@@ -54,7 +54,8 @@ class TurnFormat:
                        ) -> "TurnFormat":
         """The format of ``tokenizer``: its chat template's markers, or ``plain`` (a ``str.format`` pattern with
         ``{role}`` and ``{content}``) when it has no template. ``eos_text`` is the text of the end-of-turn token
-        the policy samples (stripped from the template's marker, since the policy wrote it)."""
+        the policy samples most often, for a reply whose caller does not say which one ended the turn (see
+        :meth:`reply_ids`)."""
         if not getattr(tokenizer, "chat_template", None):
             return cls(tokenizer, plain=plain)
         return cls(tokenizer, _strip=eos_text or "")
@@ -71,23 +72,27 @@ class TurnFormat:
         if _A not in text or _O not in text:
             raise ValueError(f"the chat template drops the content of an assistant or {role!r} message; it cannot "
                              "carry a multi-turn episode")
-        between = text[text.index(_A) + len(_A):text.index(_O)]
-        if self._strip and between.startswith(self._strip):
-            between = between[len(self._strip):]
-        return between, text[text.index(_O) + len(_O):]
+        return text[text.index(_A) + len(_A):text.index(_O)], text[text.index(_O) + len(_O):]
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
-    def reply_ids(self, message: Message) -> list[int]:
-        """The ids to append after a policy turn that ended with its end-of-turn token."""
+    def reply_ids(self, message: Message, end_token: str | None = None) -> list[int]:
+        """The ids to append after a policy turn that ended with the end-of-turn token whose text is
+        ``end_token`` (None: ``eos_text``). The policy wrote that token, so where the template closes an
+        assistant message with the same text it is not appended again; a turn ended by another end token (a
+        model with several) gets the template's closing after it."""
         if self.plain is not None:
             return self._ids(self.plain.format(role=message.role, content=message.content))
-        if message.role not in self.before:
+        end = self._strip if end_token is None else end_token
+        key = (message.role, end)
+        if key not in self.before:
             between, after = self._render(message.role)
-            self.before[message.role] = self._ids(between)
+            if end and between.startswith(end):
+                between = between[len(end):]
+            self.before[key] = self._ids(between)
             self.after = self._ids(after)
-        return self.before[message.role] + self._ids(message.content) + self.after
+        return self.before[key] + self._ids(message.content) + self.after
 
 
 @dataclass
@@ -214,7 +219,7 @@ def run_episodes(generate: Callable, tokenizer, prompt_ids: Tensor, prompt_mask:
             elif turn == max_turns - 1:
                 ep.done, ep.truncated, ep.cut_by = True, True, "max_turns"
             else:
-                reply = fmt.reply_ids(step.observation)
+                reply = fmt.reply_ids(step.observation, tokenizer.convert_ids_to_tokens(tokens[-1]))
                 ep.segments.append((reply, False))
                 ep.messages.append({"role": step.observation.role, "content": step.observation.content})
     for ep in episodes:  # every episode cut before its first turn

@@ -19,7 +19,7 @@ REWRITING = ("{% for m in messages %}<{{ m['role'][0] }}>{% if m['role'] == 'ass
 
 def _tokenizer(template=CHAT):
     tok = build_char_tokenizer("abcdefgh|=0123456789QXASITNOBERVUT")
-    tok.add_special_tokens({"additional_special_tokens": ["<u>", "<a>", "<t>", "<e>"]})
+    tok.add_special_tokens({"additional_special_tokens": ["<u>", "<a>", "<t>", "<e>", "<x>"]})
     tok.chat_template = template
     return tok
 
@@ -36,6 +36,9 @@ def test_turn_format_reads_the_templates_markers_and_leaves_out_the_policys_end_
     assert fmt.reply_ids(Message("tool", "12")) == _ids(tok, "<t>12<e><a>")
     # without the stripping, the end token would be appended twice
     assert TurnFormat.from_tokenizer(tok).reply_ids(Message("user", "ab")) == _ids(tok, "<e><u>ab<e><a>")
+    # a turn ended by another end token ("<x>"): the template's closing "<e>" still follows it
+    assert fmt.reply_ids(Message("user", "ab"), "<x>") == _ids(tok, "<e><u>ab<e><a>")
+    assert fmt.reply_ids(Message("user", "ab"), "<e>") == _ids(tok, "<u>ab<e><a>")
 
 
 def test_without_a_chat_template_the_plain_pattern_is_used():
@@ -110,6 +113,21 @@ def test_policy_tokens_are_kept_exactly_and_only_markers_and_replies_are_appende
         assert policy[j, :n].tolist() == [1.0] * n0 + [0.0] * nr + [1.0] * (n - n0 - nr)
         assert ep.turns == 2 and ep.env_reward == 2.0 and not ep.truncated
         assert [m["role"] for m in ep.messages] == ["assistant", "user", "assistant"]
+
+
+def test_a_turn_ended_by_a_second_end_token_gets_the_templates_closing_after_it():
+    tok = _tokenizer()
+    eos = [tok.convert_tokens_to_ids("<e>"), tok.convert_tokens_to_ids("<x>")]
+    fmt = TurnFormat.from_tokenizer(tok, eos_text="<e>")
+    prompt_ids, prompt_mask = _prompts(tok, ["ab=", "ab="])
+    calls = []
+    episodes = [Episode(Scripted(turns=2)) for _ in range(2)]
+    run_episodes(_scripted_generate(tok, [["a<x>", "b<e>"], ["c<e>", "d<e>"]], calls), tok, prompt_ids, prompt_mask,
+                 episodes, fmt, eos, max_new_tokens=8, max_turns=4, max_context=None, where=["row 0", "row 1"])
+    ctx, mask, _ = calls[1]
+    tails = [ctx[j][mask[j].bool()].tolist()[prompt_mask[j].sum():] for j in range(2)]
+    # the sampled "<x>" is kept and the template's "<e>" closes the turn; a sampled "<e>" is not doubled
+    assert tails == [_ids(tok, "a<x><e><u>0<e><a>"), _ids(tok, "b<e><u>0<e><a>")]
 
 
 def test_max_turns_context_and_max_new_tokens_cut_episodes_with_a_flag():
