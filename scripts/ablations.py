@@ -44,6 +44,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench_common import scalar_curves
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "quickstart.yaml"
 
@@ -62,15 +64,6 @@ TAGS = ["val/reward", "val/accuracy_greedy", "val/reward_greedy"]
 def cli() -> str:
     exe = Path(sys.executable).parent / "rloo-lightning"
     return str(exe) if exe.exists() else (shutil.which("rloo-lightning") or "rloo-lightning")
-
-
-def read_scalars(log_dir: Path, tags: list[str]) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    have = set(acc.Tags()["scalars"])
-    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in tags if t in have}
 
 
 def command(name: str, seed: int, args: argparse.Namespace, extra: list[str]) -> list[str]:
@@ -104,7 +97,7 @@ def run_one(name: str, seed: int, args: argparse.Namespace, extra: list[str]) ->
         if proc.returncode:
             sys.stderr.write(proc.stderr[-4000:])
             raise SystemExit(f"{name} seed {seed} failed (rc={proc.returncode})")
-        curves = read_scalars(Path(tmp) / "lightning_logs" / "version_0", TAGS)
+        curves = scalar_curves(Path(tmp) / "lightning_logs" / "version_0", TAGS)
     out = {"wall_s": round(wall, 1),
            "curves": {t: {str(to_updates(s)): round(v, 4) for s, v in c} for t, c in curves.items()}}
     out["final"] = {t: list(c.values())[-1] for t, c in out["curves"].items()}

@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import QUICKSTART, child_env, read_spec, set_threads, write_result  # noqa: E402
+from bench_common import QUICKSTART, child_env, read_spec, scalar_curves, set_threads, write_result  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -143,15 +143,8 @@ def run_a(spec_path: str, out_path: str) -> None:
 
 def _tb_scalars(log_root: Path, tags: list[str]) -> dict[str, list[float]]:
     """Values of each tag in step order, from the newest TensorBoard run under ``log_root``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     runs = sorted(log_root.glob("version_*"), key=lambda p: p.stat().st_mtime)
-    if not runs:
-        return {}
-    acc = EventAccumulator(str(runs[-1]), size_guidance={"scalars": 0})
-    acc.Reload()
-    have = set(acc.Tags()["scalars"])
-    return {t: [e.value for e in sorted(acc.Scalars(t), key=lambda e: e.step)] for t in tags if t in have}
+    return {t: [v for _, v in curve] for t, curve in scalar_curves(runs[-1], tags).items()} if runs else {}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -99,6 +99,12 @@ def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
     return {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"]}
 
 
+def scalar_curves(folder: Path, tags: list[str]) -> dict[str, list[tuple[int, float]]]:
+    """``{tag: [(step, value), ...]}`` in step order for each of ``tags`` the log folder has."""
+    scalars = tensorboard_scalars(folder)
+    return {t: sorted(scalars[t].items()) for t in tags if t in scalars}
+
+
 def train_rows(spec: dict) -> list[dict]:
     """The training prompts: the embedded task's rows, as PromptDataModule(task=...) makes them."""
     from rloo_lightning.tasks import get_task

@@ -16,16 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_common import scalar_curves
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def read_scalars(log_dir: Path, tags: list[str]) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    have = set(acc.Tags()["scalars"])
-    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in tags if t in have}
 
 
 def run_seed(seed: int, extra: list[str]) -> dict:
@@ -36,7 +29,7 @@ def run_seed(seed: int, extra: list[str]) -> dict:
         start = time.perf_counter()
         subprocess.run(cmd, check=True, cwd=tmp, stdout=subprocess.DEVNULL)
         wall = time.perf_counter() - start
-        curves = read_scalars(Path(tmp) / "lightning_logs" / "version_0",
+        curves = scalar_curves(Path(tmp) / "lightning_logs" / "version_0",
                               ["val/reward", "val/reward_greedy", "train/reward", "train/completion_length"])
     val = curves["val/reward"]
     return {"seed": seed, "wall_s": round(wall, 1), "val_reward_step0": round(val[0][1], 4),

@@ -127,7 +127,7 @@ def _shared(modules: dict):
 
 
 def learn(args) -> dict:
-    from quickstart_seeds import read_scalars
+    from bench_common import scalar_curves
 
     runs = []
     for engine in args.engines:
@@ -144,7 +144,7 @@ def learn(args) -> dict:
                     start = time.perf_counter()
                     subprocess.run(cmd, check=True, cwd=tmp, stdout=subprocess.DEVNULL)
                     wall = time.perf_counter() - start
-                    curves = read_scalars(Path(tmp) / "lightning_logs" / "version_0",
+                    curves = scalar_curves(Path(tmp) / "lightning_logs" / "version_0",
                                           ["val/reward", "val/reward_greedy", "train/mismatch/kl_k3"])
                 val, greedy = curves["val/reward"], curves["val/reward_greedy"]
                 kl3 = [v for _, v in curves.get("train/mismatch/kl_k3", [])]
