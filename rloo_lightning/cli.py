@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import warnings
 from argparse import ArgumentError
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks.progress import ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from rloo_lightning.callbacks.progress import StepProgressBar
 from rloo_lightning.config import RENAMED
@@ -227,6 +228,13 @@ def main(args: list[str] | None = None) -> None:
         lines = "\n".join(f"  model.{name} -> model.{RENAMED[name]}" for name in renamed)
         sys.exit(f"error: RLOOModule's options are grouped now; rename:\n{lines}")
     _quiet_third_party()
+    try:
+        _run_reporting_errors(args)
+    except SIGTERMException:  # a SystemExit with no code (status 0): a scheduler that preempted the run must
+        sys.exit(128 + signal.SIGTERM)  # not read it as success; 143, as a process killed by the signal
+
+
+def _run_reporting_errors(args: list[str] | None) -> None:
     if os.environ.get(TRACEBACK_ENV, "").strip().lower() not in ("", "0", "false", "no"):
         _run(args)  # errors propagate with their traceback
         return

@@ -223,3 +223,21 @@ def test_prediction_rows_write_a_missing_reward_as_null():
     assert [(r["sample"], r["num_tokens"], r["truncated"], r["reward"], r["scores"]) for r in rows] == [
         (0, 1, False, None, {"f": None}), (1, 2, True, 0.5, {"f": 0.5})]
     assert json.loads(json.dumps(rows[0]))["reward"] is None
+
+
+@pytest.mark.slow
+def test_cli_predict_stops_at_sigterm_after_the_batch_in_progress_is_written(tiny_model_dir, tmp_path, _cache_dir):
+    from cli_harness import CONFIGS, make_env, start_cli
+
+    out = tmp_path / "predictions.jsonl"
+    args = ["predict", "--config", CONFIGS / "quickstart.yaml", "--model.model_name_or_path", tiny_model_dir,
+            "--data.predict_file", _prompt_file(tmp_path, PROMPTS * 2), "--data.val_batch_size", "2",
+            "--model.predict.greedy", "true", "--model.predict.output_file", out,
+            "--trainer.default_root_dir", tmp_path, "--trainer.enable_progress_bar", "false",
+            "--trainer.callbacks+=reliability_helpers.callbacks.SigtermAt", "--trainer.callbacks.predict_batch=0"]
+    proc = start_cli("predict", args, tmp_path, make_env(_cache_dir)).wait()
+    assert proc.rc == 143, proc.explain()  # not 0: whoever sent the signal sees the run did not finish
+    rows = [json.loads(line) for line in out.read_text().splitlines()]  # every line whole
+    assert 0 < len(rows) < 6 and len(rows) % 2 == 0  # whole batches, not all three
+    assert f"predict stopped by SIGTERM after batch {len(rows) // 2 - 1}: {len(rows)} completions are in {out}" in (
+        proc.log)

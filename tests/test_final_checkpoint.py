@@ -238,22 +238,8 @@ def _cli_args(root: Path, model_dir: str, max_steps: int, *extra: str) -> list[s
             "--data.num_train_rows", "16", "--data.num_val_rows", "8", "--data.batch_size", "4", FINAL, *extra]
 
 
-@pytest.mark.slow
-def test_cli_validation_off_leaves_last_ckpt_and_its_resume_is_exact(tmp_path, tiny_model_dir, _cache_dir):
-    env = make_env(_cache_dir)
-    a, b = tmp_path / "a", tmp_path / "b"
-    procs = [start_cli("a", _cli_args(a, tiny_model_dir, 5), a, env),
-             start_cli("b1", _cli_args(b, tiny_model_dir, 3), b, env)]
-    wait_all(*procs)
-    for p in procs:
-        p.check()
-    last = b / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
-    assert _listing(last.parent) == {"last.ckpt": 3}
-    run_cli("b2", _cli_args(b, tiny_model_dir, 5, "--ckpt_path", last), b, env)
-    end = b / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt"
-    ref = a / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
-    assert _step(end) == _step(ref) == 5
-    e, r = (torch.load(p, map_location="cpu", weights_only=False) for p in (end, ref))
+def _assert_same_checkpoint(got: Path, ref: Path) -> None:
+    e, r = (torch.load(p, map_location="cpu", weights_only=False) for p in (got, ref))
     assert e["state_dict"].keys() == r["state_dict"].keys()
     for k in r["state_dict"]:
         assert torch.equal(e["state_dict"][k], r["state_dict"][k]), k
@@ -263,6 +249,38 @@ def test_cli_validation_off_leaves_last_ckpt_and_its_resume_is_exact(tmp_path, t
         for name, value in ro[i].items():
             assert torch.equal(torch.as_tensor(eo[i][name]), torch.as_tensor(value)), (i, name)
     assert e["lr_schedulers"] == r["lr_schedulers"]
+
+
+SIGTERM_AT_3 = ["--trainer.callbacks+=reliability_helpers.callbacks.SigtermAt", "--trainer.callbacks.step=3"]
+
+
+@pytest.mark.slow
+def test_cli_validation_off_or_sigterm_leaves_last_ckpt_and_its_resume_is_exact(tmp_path, tiny_model_dir,
+                                                                               _cache_dir):
+    """Run b stops at max_steps 3, run c is preempted (SIGTERM) after step 3 of 5: both leave a last.ckpt of
+    step 3, and resumed to step 5 each ends where the uninterrupted run a does. The preempted run exits 143."""
+    env = make_env(_cache_dir)
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    procs = [start_cli("a", _cli_args(a, tiny_model_dir, 5), a, env),
+             start_cli("b1", _cli_args(b, tiny_model_dir, 3), b, env),
+             start_cli("c1", _cli_args(c, tiny_model_dir, 5, *SIGTERM_AT_3), c, env)]
+    wait_all(*procs)
+    for p in procs[:2]:
+        p.check()
+    assert procs[2].rc == 143, procs[2].explain()
+    lasts = {run: run / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt" for run in (b, c)}
+    assert _listing(lasts[b].parent) == _listing(lasts[c].parent) == {"last.ckpt": 3}
+    assert f"stopped by SIGTERM after step 3; {lasts[c]} holds that step: resume with --ckpt_path" in procs[2].log
+    _assert_same_checkpoint(lasts[c], lasts[b])
+    resumed = [start_cli(f"{run.name}2", _cli_args(run, tiny_model_dir, 5, "--ckpt_path", lasts[run]), run, env)
+               for run in (b, c)]
+    wait_all(*resumed)
+    ref = a / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    for run, proc in zip((b, c), resumed):
+        proc.check()
+        end = run / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt"
+        assert _step(end) == _step(ref) == 5
+        _assert_same_checkpoint(end, ref)
 
 
 @pytest.mark.slow

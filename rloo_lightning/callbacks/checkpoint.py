@@ -9,6 +9,8 @@ import tempfile
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 __all__ = ["FinalCheckpoint"]
 
@@ -16,7 +18,8 @@ LAST = "last.ckpt"
 
 
 class FinalCheckpoint(Callback):
-    """Write ``last.ckpt`` when fit ends (and every ``every_n_steps`` optimizer steps), beside the checkpoints.
+    """Write ``last.ckpt`` when fit ends, when it is stopped by SIGTERM (preemption: the process then exits with
+    status 143), and every ``every_n_steps`` optimizer steps, beside the checkpoints.
 
     Lightning's ``ModelCheckpoint`` saves on its own triggers only: with validation off, or a ``max_steps``
     that ``val_check_interval`` does not divide, the steps after its last trigger are lost. This callback
@@ -106,18 +109,32 @@ class FinalCheckpoint(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Here, not in on_fit_end: that runs after the strategy's teardown (model moved off the device).
-        if not self._enabled(trainer) or trainer.global_step == 0 or self._saved_step == trainer.global_step:
+        if self._enabled(trainer) and not self._last_is_current(trainer):
+            self._save(trainer)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # Preempted: Lightning raises SIGTERMException at the end of a step, on every rank together (rank 0's
+        # flag is broadcast), so the steps since the last checkpoint are kept as a resumable last.ckpt.
+        if not isinstance(exception, SIGTERMException) or not self._enabled(trainer) or trainer.global_step == 0:
             return
+        if not self._last_is_current(trainer):
+            self._save(trainer)
+        path = self.last_path(trainer)
+        rank_zero_info(f"stopped by SIGTERM after step {trainer.global_step}; {path} holds that step: resume with "
+                       f"--ckpt_path {path}")
+
+    def _last_is_current(self, trainer: Trainer) -> bool:
+        """No step taken, or ``last.ckpt`` already holds this step (written by this callback or by a
+        ``ModelCheckpoint(save_last=True)`` that just saved it)."""
+        if trainer.global_step == 0 or self._saved_step == trainer.global_step:
+            return True
         target = self.last_path(trainer)
-        for cb in trainer.checkpoint_callbacks:
-            if (
-                isinstance(cb, ModelCheckpoint)
-                and cb.save_last
-                and _same_path(cb.last_model_path, target)
-                and getattr(cb, "_last_global_step_saved", None) == trainer.global_step
-            ):
-                return  # that ModelCheckpoint just wrote last.ckpt of this step
-        self._save(trainer)
+        return any(
+            isinstance(cb, ModelCheckpoint)
+            and cb.save_last
+            and _same_path(cb.last_model_path, target)
+            and getattr(cb, "_last_global_step_saved", None) == trainer.global_step
+            for cb in trainer.checkpoint_callbacks)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Resumed at or past max_steps: the fit loop is skipped (no on_train_start/end), nothing trains,

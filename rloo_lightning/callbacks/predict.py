@@ -9,6 +9,7 @@ from pathlib import Path
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 __all__ = ["PredictionWriter", "prediction_rows"]
 
@@ -44,6 +45,7 @@ def _number(value) -> float | None:
 
 class PredictionWriter(BasePredictionWriter):
     """One JSON line per completion from ``predict_step``, written after each batch (a crash keeps what was done).
+    A SIGTERM stops ``predict`` after the batch in progress is written (the process exits with status 143).
 
     Added by :class:`~rloo_lightning.RLOOModule` (``model.predict.output_file``); idle outside ``predict``.
 
@@ -72,12 +74,25 @@ class PredictionWriter(BasePredictionWriter):
             raise FileExistsError(f"predict.output_file {self.path} exists; remove it or choose another file")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._handle = open(self.path, "w")
+        self._written = 0
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx,
                            dataloader_idx=0) -> None:
         for row in prediction:
             self._handle.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
         self._handle.flush()
+        self._written += len(prediction)
+        # Lightning's predict loop never looks at SIGTERM (fit and validation stop at the next batch): stop here,
+        # after this batch is on disk; every rank together, so that no rank waits in a collective for another.
+        stop = trainer.received_sigterm
+        if trainer.world_size > 1:
+            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
+        if stop:
+            self._handle.close()
+            self._handle = None
+            rank_zero_info(f"predict stopped by SIGTERM after batch {batch_idx}: {self._written} completions are in "
+                           f"{self.path}")
+            raise SIGTERMException
 
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._handle.close()

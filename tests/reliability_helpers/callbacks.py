@@ -5,18 +5,20 @@
 * :class:`PoisonGrad` puts a NaN into one gradient element once, after backward (the loss is
   finite; only the gradient is not), as a low-precision overflow in backward would.
 * :class:`RolloutRecorder` appends each rollout's prompts and completions to a JSON-lines file.
+* :class:`SigtermAt` sends its own process SIGTERM at a chosen training step or predict batch.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 
 from lightning.pytorch import Callback
 
 from rloo_lightning.callbacks import RolloutHook
 
-__all__ = ["PoisonReward", "PoisonGrad", "RolloutRecorder"]
+__all__ = ["PoisonReward", "PoisonGrad", "RolloutRecorder", "SigtermAt"]
 
 
 class PoisonReward(RolloutHook):
@@ -78,3 +80,19 @@ class RolloutRecorder(RolloutHook):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+class SigtermAt(Callback):
+    """Send this process SIGTERM (as a scheduler preempting the job) at the end of training step ``step`` (its
+    ``global_step`` after the update) or of predict batch ``predict_batch``."""
+
+    def __init__(self, step: int = -1, predict_batch: int = -1) -> None:
+        self.step, self.predict_batch = step, predict_batch
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if batch_idx == self.predict_batch:
+            os.kill(os.getpid(), signal.SIGTERM)
