@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from rloo_lightning.environments import EnvStep, Environment, Message
+from rloo_lightning.environments.tools import ToolEnvironment
 from rloo_lightning.tasks.reverse import score
 
 
@@ -51,3 +52,18 @@ class Noisy(Environment):
         if self.log:
             with open(self.log, "a") as f:
                 f.write(f"{self.rank} {self.taken}\n")
+
+
+class NoisyTools(ToolEnvironment):
+    """A ``ToolEnvironment`` whose every tool message ends in a letter drawn from the episode's seed: a resume
+    that reseeded the environment, or replayed a call differently, would show in the transcript."""
+
+    def reset(self, row, seed):
+        super().reset(row, seed)
+        self.rng = random.Random(seed)
+
+    def step(self, turn):
+        step = super().step(turn)
+        if step.observation is not None:
+            step.observation = Message("tool", f"{step.observation.content} ~{self.rng.choice('abcdefgh')}")
+        return step

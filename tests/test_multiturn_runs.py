@@ -1,10 +1,11 @@
-"""Multi-turn episodes through the CLI: a resumed run replays its episodes bit-identically, and ranks whose
+"""Multi-turn episodes through the CLI: a resumed tool run replays its episodes bit-identically, and ranks whose
 episodes take different numbers of turns train together under DDP and FSDP2 (2 CPU processes, gloo).
 
-The environment is ``multiturn_helpers.Noisy``: it replies a letter drawn from the episode's seed, so a replay
-that reseeded anything would show. The tool runs resume a ``ToolEnvironment`` run of a tiny policy that writes
-calculator calls (``tool_helpers.build_tool_caller``), rewarded per successful call. Every run is a subprocess,
-started together where independent.
+The resumed run is a tiny policy that writes calculator calls (``tool_helpers.build_tool_caller``), rewarded per
+successful call, in ``multiturn_helpers.NoisyTools``: a ``ToolEnvironment`` whose tool messages end in a letter
+drawn from the episode's seed, so a replay that reseeded the environment or ran a call differently would show.
+The distributed runs use ``multiturn_helpers.Noisy`` (a letter from the seed after each turn). Every run is a
+subprocess, started together where independent.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ STEPS, RESUME_AT = 4, 2
 NOISY = ["--model.rewards.funcs", "[]", "--model.environment.class_path", "multiturn_helpers.Noisy",
          "--model.sampling.max_new_tokens", "4"]
 TOOLS = ["--model.rewards.funcs", "[tool_helpers.successful_calls]",
-         "--model.environment.class_path", "rloo_lightning.environments.tools.ToolEnvironment",
+         "--model.environment.class_path", "multiturn_helpers.NoisyTools",
          "--model.environment.init_args", json.dumps({"tools": ["rloo_lightning.environments.tools.calculator"]}),
-         "--model.sampling.max_new_tokens", "8"]
+         "--model.sampling.max_new_tokens", "8", "--trainer.limit_val_batches", "0"]
 
 
 def _args(root: Path, model: str, steps: int, *extra: str, config: str = "quickstart.yaml", env=NOISY) -> list[str]:
@@ -65,64 +66,46 @@ def runs(tmp_path_factory, tiny_model_dir, _cache_dir):
     turns = json.dumps({"turns_by_rank": [1, 3], "log": str(root / "{}" / "turns.txt")})
     tool_model = root / "tool_caller"
     build_tool_caller(tool_model)
-    uninterrupted = {
-        name: start_cli(name, _args(root / name, model, STEPS, *_every_step(root / name / "ckpt"),
-                                    *_recorder(root / name / "rollouts.jsonl"), env=env_args), root / name, env,
-                        timeout=TIMEOUT)
-        for name, model, env_args in (("a", tiny_model_dir, NOISY), ("tool_a", str(tool_model), TOOLS))}
+    a = start_cli("a", _args(root / "a", str(tool_model), STEPS, *_every_step(root / "a" / "ckpt"),
+                             *_recorder(root / "a" / "rollouts.jsonl"), env=TOOLS), root / "a", env, timeout=TIMEOUT)
     distributed = {}
     for name, config, extra in (("ddp", "quickstart.yaml", ["--trainer.devices", "2", "--trainer.strategy", "ddp"]),
                                 ("fsdp2", "fsdp2_cpu.yaml", [])):
         args = _args(root / name, tiny_model_dir, 3, "--model.environment.init_args", turns.replace("{}", name),
                      *_recorder(root / name / "rollouts.jsonl"), *extra, config=config)
         distributed[name] = start_cli(name, args, root / name, env, timeout=TIMEOUT)
-    wait_all(*uninterrupted.values(), *distributed.values())
-    resumed = {}
-    for name, model, env_args in (("b", tiny_model_dir, NOISY), ("tool_b", str(tool_model), TOOLS)):
-        first = name.replace("b", "a")
-        uninterrupted[first].check()
-        ckpt = sorted((root / first / "ckpt").glob(f"epoch=*-step={RESUME_AT}.ckpt"))
-        assert len(ckpt) == 1
-        resumed[name] = start_cli(name, _args(root / name, model, STEPS, "--ckpt_path", str(ckpt[0]),
-                                              *_every_step(root / name / "ckpt"),
-                                              *_recorder(root / name / "rollouts.jsonl"), env=env_args),
-                                  root / name, env, timeout=TIMEOUT)
-    wait_all(*resumed.values())
-    return {"root": root, **uninterrupted, **resumed, **distributed}
+    wait_all(a, *distributed.values())
+    a.check()
+    ckpt = sorted((root / "a" / "ckpt").glob(f"epoch=*-step={RESUME_AT}.ckpt"))
+    assert len(ckpt) == 1
+    b = start_cli("b", _args(root / "b", str(tool_model), STEPS, "--ckpt_path", str(ckpt[0]),
+                             *_every_step(root / "b" / "ckpt"), *_recorder(root / "b" / "rollouts.jsonl"), env=TOOLS),
+                  root / "b", env, timeout=TIMEOUT).wait()
+    return {"root": root, "a": a, "b": b, **distributed}
 
 
-def _assert_replayed(runs, first: str, second: str, tags: tuple[str, ...]) -> list[dict]:
-    """``second`` (resumed at RESUME_AT) sampled what ``first`` did from there, and ended in the same state."""
-    runs[second].check()
+def test_a_resumed_tool_run_replays_its_calls_results_and_errors_bit_identically(runs):
+    runs["b"].check()
     root = runs["root"]
-    a = {r["global_step"]: r for r in _jsonl(root / first / "rollouts.jsonl")}
-    b = _jsonl(root / second / "rollouts.jsonl")
+    a = {r["global_step"]: r for r in _jsonl(root / "a" / "rollouts.jsonl")}
+    b = _jsonl(root / "b" / "rollouts.jsonl")
     assert [r["global_step"] for r in b] == list(range(RESUME_AT, STEPS))
     for r in b:
         ref = a[r["global_step"]]
         assert (r["prompts"], r["transcripts"], r["rewards"]) == (ref["prompts"], ref["transcripts"], ref["rewards"])
-    last = lambda run: _load(sorted((root / run / "ckpt").glob(f"epoch=*-step={STEPS}.ckpt"))[0])  # noqa: E731
-    _assert_same_tensors(last(first)["state_dict"], last(second)["state_dict"], "final state_dict")
-    _assert_same_tensors(_flat_tensors(last(first)["optimizer_states"]),
-                         _flat_tensors(last(second)["optimizer_states"]), "final optimizer state")
-    scalars_a = _scalars(root / first / "lightning_logs" / "version_0")
-    scalars_b = _scalars(root / second / "lightning_logs" / "version_0")
-    for tag in ("train/turns", "train/env_tokens", "train/reward", "train/loss", *tags):
-        assert all(scalars_b[tag][s] == scalars_a[tag][s] for s in range(RESUME_AT, STEPS)), tag
-    return b
-
-
-def test_a_resumed_run_replays_its_episodes_bit_identically(runs):
-    b = _assert_replayed(runs, "a", "b", ())
-    assert any(len(t) > 1 for r in b for t in r["transcripts"])  # there were replies to replay
-
-
-def test_a_resumed_tool_run_replays_its_calls_and_results_bit_identically(runs):
-    b = _assert_replayed(runs, "tool_a", "tool_b", ("train/tool_calls", "train/tool_errors"))
     results = [m["content"] for r in b for t in r["transcripts"] for m in t if m["role"] == "tool"]
     assert any(not c.startswith("error (") for c in results)  # tool results were replayed,
     assert any(c.startswith("error (") for c in results)  # and tool errors
     assert any(x > 0 for r in b for x in r["rewards"])
+    last = lambda run: _load(sorted((root / run / "ckpt").glob(f"epoch=*-step={STEPS}.ckpt"))[0])  # noqa: E731
+    _assert_same_tensors(last("a")["state_dict"], last("b")["state_dict"], "final state_dict")
+    _assert_same_tensors(_flat_tensors(last("a")["optimizer_states"]), _flat_tensors(last("b")["optimizer_states"]),
+                         "final optimizer state")
+    scalars_a = _scalars(root / "a" / "lightning_logs" / "version_0")
+    scalars_b = _scalars(root / "b" / "lightning_logs" / "version_0")
+    for tag in ("train/turns", "train/env_tokens", "train/reward", "train/loss", "train/tool_calls",
+                "train/tool_errors"):
+        assert all(scalars_b[tag][s] == scalars_a[tag][s] for s in range(RESUME_AT, STEPS)), tag
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2"])

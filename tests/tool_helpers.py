@@ -87,3 +87,4 @@ def successful_calls(prompts, completions, completion_ids, transcript, **columns
     """The number of tool results in each episode that are not errors."""
     return [float(sum(m["role"] == "tool" and not m["content"].startswith("error (") for m in t))
             for t in transcript]
+
