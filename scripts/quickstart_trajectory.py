@@ -12,7 +12,10 @@ against the recorded file (0.0 everywhere = bit-identical trajectories). Prints 
 validation, rounded to 3 decimals, under a line naming this script and the package version); the wall time,
 which is not deterministic, goes to stderr. ``tests/test_readme_figures.py`` checks that README.md holds it verbatim.
 
-``--cache DIR`` builds the tiny model into ``DIR``, or takes the one a run of this package version built there
+``--max-steps N`` runs only the first N steps, with the full run's warm-up steps (the default schedule's warm-up is
+a fraction of ``max_steps``; after it the rate is constant), so the logged values up to step N are the full run's
+(the test suite checks the README's first rows this way). ``--cache DIR`` builds
+the tiny model into ``DIR``, or takes the one a run of this package version built there
 (the test suite passes its session cache, whose model it builds anyway); by default a fresh temporary cache.
 """
 
@@ -32,19 +35,34 @@ VAL_TAGS = ["val/reward", "val/reward_greedy", "val/accuracy_greedy"]  # the REA
 TAGS = [*VAL_TAGS, "train/reward", "train/kl", "train/loss", "train/completion_length"]
 
 
-def run(cache: Path | None = None) -> tuple[dict[str, list[list[float]]], float]:
+def run(cache: Path | None = None, max_steps: int | None = None) -> tuple[dict[str, list[list[float]]], float]:
     from bench_common import scalar_curves  # here: the test suite imports this file for markdown_table alone
 
     with tempfile.TemporaryDirectory() as tmp:
         # the tiny model built anew (or by this version, in ``cache``): never one of an older builder
         env = {**os.environ, "RLOO_LIGHTNING_CACHE": str(cache or Path(tmp) / "cache")}
         cmd = [sys.executable, "-m", "rloo_lightning", "fit", "--config", str(ROOT / "configs" / "quickstart.yaml"),
-               "--trainer.default_root_dir", tmp, "--trainer.enable_progress_bar", "false"]
+               "--trainer.default_root_dir", tmp, "--trainer.enable_progress_bar", "false",
+               *(_prefix_args(max_steps) if max_steps else [])]
         start = time.perf_counter()
         subprocess.run(cmd, check=True, cwd=tmp, env=env, stdout=subprocess.DEVNULL)
-        wall = time.perf_counter() - start  # the whole fit: start-up, building the tiny model (if new), 400 steps
+        wall = time.perf_counter() - start  # the whole fit: start-up, building the tiny model (if new), the steps
         curves = scalar_curves(Path(tmp) / "lightning_logs" / "version_0", TAGS)
         return {t: [list(point) for point in curve] for t, curve in curves.items()}, wall
+
+
+def _prefix_args(max_steps: int) -> list[str]:
+    """``--trainer.max_steps N`` and the warm-up ratio that gives the full run's integer warm-up steps at N."""
+    import yaml
+
+    from rloo_lightning.config import UpdateArgs
+
+    config = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+    ratio = config.get("model", {}).get("update", {}).get("warmup_ratio", UpdateArgs.warmup_ratio)
+    warmup = int(ratio * config["trainer"]["max_steps"])  # as RLOOModule.configure_optimizers rounds it
+    if warmup >= max_steps:
+        raise SystemExit(f"--max-steps {max_steps} ends within the warm-up ({warmup} steps)")
+    return ["--trainer.max_steps", str(max_steps), "--model.update.warmup_ratio", str((warmup + 0.5) / max_steps)]
 
 
 def markdown_table(curves: dict[str, list[list[float]]], version: str) -> str:
@@ -67,8 +85,9 @@ def main() -> None:
     parser.add_argument("--compare", type=Path)
     parser.add_argument("--markdown", action="store_true", help="print the README's table instead of the JSON")
     parser.add_argument("--cache", type=Path, help="model cache to build into or reuse (default: a fresh one)")
+    parser.add_argument("--max-steps", type=int, help="only the first N steps (default: the config's)")
     args = parser.parse_args()
-    curves, wall = run(args.cache)
+    curves, wall = run(args.cache, args.max_steps)
     if args.markdown:
         sys.path.insert(0, str(ROOT))
         from rloo_lightning import __version__

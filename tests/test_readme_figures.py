@@ -2,10 +2,13 @@
 
 * fast: the table in README.md equals :func:`markdown_table` of the committed baseline
   ``docs/quickstart_trajectory.json`` at ``rloo_lightning.__version__`` (README and baseline agree);
-* slow: the script re-runs the quickstart (about a minute on 2 cores), with the tiny model this session's cache
-  built (the builder at this version, as a fresh cache would have it), and its ``--markdown`` output must appear
-  in README.md verbatim. It fails when a change moves the trajectory or the version: re-run the script, paste
-  its output into the README, and re-record the baseline with ``--out docs/quickstart_trajectory.json``.
+* slow: the script re-runs the quickstart's first 100 steps with the full run's warm-up (so they are the full
+  run's), with the tiny model this session's cache built (the builder at this version, as a fresh cache would
+  have it); its ``--markdown`` output, the table's rows before training and after 100 steps, must appear in
+  README.md verbatim.
+  It fails when a change moves the trajectory or the version: re-run the script (without ``--max-steps``), paste
+  its output into the README, and re-record the baseline with ``--out docs/quickstart_trajectory.json``;
+  ``--compare docs/quickstart_trajectory.json`` checks all 400 steps against the baseline.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ def test_readme_table_matches_recorded_baseline():
 def test_readme_table_matches_a_fresh_quickstart_run(tmp_path, _cache_dir):
     # the session's cache (built fresh for this session, shared with the other tests that need the quickstart
     # model); the thread count is left as a user has it
-    proc = start_script("quickstart_trajectory", SCRIPT, ["--markdown", "--cache", str(_cache_dir)], tmp_path,
+    proc = start_script("quickstart_trajectory", SCRIPT, ["--markdown", "--cache", str(_cache_dir), "--max-steps",
+                                                          "100"], tmp_path,
                         env=make_env(OMP_NUM_THREADS=None), timeout=900).check()
-    _assert_in_readme(proc.stdout.strip(), "`python scripts/quickstart_trajectory.py --markdown` run now")
+    table = proc.stdout.strip()
+    assert "\n| 0 | " in table and "\n| 99 | " in table, table  # validations before training and after 100 steps
+    _assert_in_readme(table, "`python scripts/quickstart_trajectory.py --markdown --max-steps 100` run now")
