@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 from cli_harness import CONFIGS, make_env, start_cli, wait_all
-from tool_helpers import build_tool_caller
 from test_reliability import _assert_same_tensors, _flat_tensors, _jsonl, _load, _scalars
+from tool_helpers import build_tool_caller
 
 pytestmark = pytest.mark.slow  # distributed and resumed CLI subprocesses
 
