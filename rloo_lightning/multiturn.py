@@ -47,18 +47,14 @@ class TurnFormat:
     before: dict[tuple[str, str], list[int]] = field(default_factory=dict)
     after: list[int] = field(default_factory=list)
     plain: str | None = None
-    _strip: str = ""
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, eos_text: str | None = None, plain: str = "\n{role}: {content}\nassistant: "
-                       ) -> "TurnFormat":
+    def from_tokenizer(cls, tokenizer, plain: str = "\n{role}: {content}\nassistant: ") -> "TurnFormat":
         """The format of ``tokenizer``: its chat template's markers, or ``plain`` (a ``str.format`` pattern with
-        ``{role}`` and ``{content}``) when it has no template. ``eos_text`` is the text of the end-of-turn token
-        the policy samples most often, for a reply whose caller does not say which one ended the turn (see
-        :meth:`reply_ids`)."""
+        ``{role}`` and ``{content}``) when it has no template."""
         if not getattr(tokenizer, "chat_template", None):
             return cls(tokenizer, plain=plain)
-        return cls(tokenizer, _strip=eos_text or "")
+        return cls(tokenizer)
 
     def _render(self, role: str) -> tuple[str, str]:
         """The template's text between an assistant message and a ``role`` message, and after the latter."""
@@ -79,12 +75,12 @@ class TurnFormat:
 
     def reply_ids(self, message: Message, end_token: str | None = None) -> list[int]:
         """The ids to append after a policy turn that ended with the end-of-turn token whose text is
-        ``end_token`` (None: ``eos_text``). The policy wrote that token, so where the template closes an
-        assistant message with the same text it is not appended again; a turn ended by another end token (a
-        model with several) gets the template's closing after it."""
+        ``end_token`` (None: nothing of the template's closing is left out). The policy wrote that token, so
+        where the template closes an assistant message with the same text it is not appended again; a turn ended
+        by another end token (a model with several) gets the template's closing after it."""
         if self.plain is not None:
             return self._ids(self.plain.format(role=message.role, content=message.content))
-        end = self._strip if end_token is None else end_token
+        end = end_token or ""
         key = (message.role, end)
         if key not in self.before:
             between, after = self._render(message.role)
@@ -292,10 +288,9 @@ class EpisodeSampler:
             raise ValueError(f"environment {self.args.class_path}(**{self.args.init_args!r}) raised "
                              f"{type(err).__name__}: {err}") from err
 
-    def turn_format(self, tokenizer, eos_ids: Sequence[int]) -> TurnFormat:
+    def turn_format(self, tokenizer) -> TurnFormat:
         if self._format is None:
-            eos_text = tokenizer.convert_ids_to_tokens(list(eos_ids)[0]) if eos_ids else None
-            self._format = TurnFormat.from_tokenizer(tokenizer, eos_text=eos_text, plain=self.args.reply_format)
+            self._format = TurnFormat.from_tokenizer(tokenizer, plain=self.args.reply_format)
         return self._format
 
     def sample(self, model, tokenizer, batch: dict, k: int, generation_config, seed: int, engine, grad_free,
@@ -320,7 +315,7 @@ class EpisodeSampler:
                              "episode's messages: rename the column")
         eos = generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos)
-        fmt = self.turn_format(tokenizer, eos)
+        fmt = self.turn_format(tokenizer)
         where = [f"prompt row {rows[i // k]} ({batch['prompt'][i // k]!r:.80}), sample {i % k}" for i in range(n * k)]
         episodes = []
         for i in range(n * k):

@@ -85,7 +85,7 @@ def warm_start(hf_dir: str, out: Path, steps: int, batch: int, lr: float, call_f
     encoder = PromptEncoder(tok, hf_dir, "prompt", "auto", data["system_prompt"], "error", None, 0, None, None,
                             tools=tool_schemas(data["tools"]))
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    turns = TurnFormat.from_tokenizer(tok, eos_text="<|im_end|>")
+    turns = TurnFormat.from_tokenizer(tok)
     ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     rng = random.Random(seed)
     rows = make_rows(2000, 0)
@@ -103,7 +103,7 @@ def warm_start(hf_dir: str, out: Path, steps: int, batch: int, lr: float, call_f
                 expr = expression(row["prompt"])
                 call = json.dumps({"name": "calculator", "arguments": {"expression": expr}})
                 pieces.append([(prompt, False), (ids(f"<tool_call>{call}</tool_call>") + [eos], True),
-                               (turns.reply_ids(Message("tool", calculator(expr))), False), answer])
+                               (turns.reply_ids(Message("tool", calculator(expr)), "<|im_end|>"), False), answer])
             else:
                 pieces.append([(prompt, False), answer])
         loss = segments_nll(model, tok.pad_token_id if tok.pad_token_id is not None else eos, pieces)

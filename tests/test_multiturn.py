@@ -30,15 +30,14 @@ def _ids(tok, text):
 
 def test_turn_format_reads_the_templates_markers_and_leaves_out_the_policys_end_token():
     tok = _tokenizer()
-    fmt = TurnFormat.from_tokenizer(tok, eos_text="<e>")
+    fmt = TurnFormat.from_tokenizer(tok)
     # after the assistant's "<e>" (sampled by the policy): "<u>" content "<e>" then the generation prompt "<a>"
-    assert fmt.reply_ids(Message("user", "ab")) == _ids(tok, "<u>ab<e><a>")
-    assert fmt.reply_ids(Message("tool", "12")) == _ids(tok, "<t>12<e><a>")
+    assert fmt.reply_ids(Message("user", "ab"), "<e>") == _ids(tok, "<u>ab<e><a>")
+    assert fmt.reply_ids(Message("tool", "12"), "<e>") == _ids(tok, "<t>12<e><a>")
     # without the stripping, the end token would be appended twice
     assert TurnFormat.from_tokenizer(tok).reply_ids(Message("user", "ab")) == _ids(tok, "<e><u>ab<e><a>")
     # a turn ended by another end token ("<x>"): the template's closing "<e>" still follows it
     assert fmt.reply_ids(Message("user", "ab"), "<x>") == _ids(tok, "<e><u>ab<e><a>")
-    assert fmt.reply_ids(Message("user", "ab"), "<e>") == _ids(tok, "<u>ab<e><a>")
 
 
 def test_without_a_chat_template_the_plain_pattern_is_used():
@@ -89,7 +88,7 @@ def _prompts(tok, texts):
 def test_policy_tokens_are_kept_exactly_and_only_markers_and_replies_are_appended(template):
     tok = _tokenizer(template)
     eos = tok.convert_tokens_to_ids("<e>")
-    fmt = TurnFormat.from_tokenizer(tok, eos_text="<e>")
+    fmt = TurnFormat.from_tokenizer(tok)
     prompt_ids, prompt_mask = _prompts(tok, ["ab=", "c="])
     turn0 = ["h|ab<e>", "cd<e>"]  # row 0 writes a reasoning part that REWRITING would drop on re-render
     turn1 = ["ba<e>", "dc<e>"]
@@ -118,7 +117,7 @@ def test_policy_tokens_are_kept_exactly_and_only_markers_and_replies_are_appende
 def test_a_turn_ended_by_a_second_end_token_gets_the_templates_closing_after_it():
     tok = _tokenizer()
     eos = [tok.convert_tokens_to_ids("<e>"), tok.convert_tokens_to_ids("<x>")]
-    fmt = TurnFormat.from_tokenizer(tok, eos_text="<e>")
+    fmt = TurnFormat.from_tokenizer(tok)
     prompt_ids, prompt_mask = _prompts(tok, ["ab=", "ab="])
     calls = []
     episodes = [Episode(Scripted(turns=2)) for _ in range(2)]
@@ -133,7 +132,7 @@ def test_a_turn_ended_by_a_second_end_token_gets_the_templates_closing_after_it(
 def test_max_turns_context_and_max_new_tokens_cut_episodes_with_a_flag():
     tok = _tokenizer()
     eos = tok.convert_tokens_to_ids("<e>")
-    fmt = TurnFormat.from_tokenizer(tok, eos_text="<e>")
+    fmt = TurnFormat.from_tokenizer(tok)
     prompt_ids, prompt_mask = _prompts(tok, ["ab=", "ab=", "ab="])
     turns = [["a<e>", "abcdefgh", "a<e>"], ["b<e>", "b<e>", "b<e>"], ["c<e>"] * 3]
     calls = []
@@ -154,7 +153,7 @@ def test_max_turns_context_and_max_new_tokens_cut_episodes_with_a_flag():
 def test_finished_episodes_drop_out_of_the_next_turn():
     tok = _tokenizer()
     eos = tok.convert_tokens_to_ids("<e>")
-    fmt = TurnFormat.from_tokenizer(tok, eos_text="<e>")
+    fmt = TurnFormat.from_tokenizer(tok)
     prompt_ids, prompt_mask = _prompts(tok, ["ab=", "c=", "d="])
     calls = []
     episodes = [Episode(Scripted(turns=n)) for n in (1, 3, 2)]
@@ -168,7 +167,7 @@ def test_an_environment_error_names_the_environment_the_row_and_the_turn():
     tok = _tokenizer()
     eos = tok.convert_tokens_to_ids("<e>")
     prompt_ids, prompt_mask = _prompts(tok, ["ab="])
-    fmt = TurnFormat.from_tokenizer(tok, eos_text="<e>")
+    fmt = TurnFormat.from_tokenizer(tok)
     with pytest.raises(RuntimeError, match=r"environment Scripted failed on data.jsonl row 7, turn 1: KeyError"):
         run_episodes(_scripted_generate(tok, [["a<e>"]] * 3, []), tok, prompt_ids, prompt_mask,
                      [Episode(Scripted(turns=3, fail_at=1))], fmt, [eos], 4, 3, None, ["data.jsonl row 7"])
