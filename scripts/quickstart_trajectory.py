@@ -14,9 +14,9 @@ which is not deterministic, goes to stderr. ``tests/test_readme_figures.py`` che
 
 ``--max-steps N`` runs only the first N steps, with the full run's warm-up steps (the default schedule's warm-up is
 a fraction of ``max_steps``; after it the rate is constant), so the logged values up to step N are the full run's
-(the test suite checks the README's first rows this way). ``--cache DIR`` builds
-the tiny model into ``DIR``, or takes the one a run of this package version built there
-(the test suite passes its session cache, whose model it builds anyway); by default a fresh temporary cache.
+(the test suite checks the README's first rows this way). ``--cache DIR`` builds the tiny model into ``DIR``, or
+takes the one a run of this package version built there (the test suite passes its session cache, whose model it
+builds anyway); by default a fresh temporary cache.
 """
 
 from __future__ import annotations

@@ -18,9 +18,11 @@ def run(args: list[str]) -> dict:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             main(args)
-        except SystemExit as exc:  # --print_config exits once it has printed
-            rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            if not isinstance(exc.code, (int, type(None))):
+        except SystemExit as exc:  # --print_config exits once it has printed; sys.exit("message") is status 1
+            if isinstance(exc.code, int):
+                rc = exc.code
+            elif exc.code is not None:
+                rc = 1
                 err.write(str(exc.code))
     return {"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue()}
 
