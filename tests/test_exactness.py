@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-import rloo_lightning.exactness as exactness_py
+import rloo_lightning.exactness_multiturn as exactness_multiturn_py
 import rloo_lightning.module as module_py
 import rloo_lightning.multiturn as multiturn_py
 import rloo_lightning.rewards.reward_set as reward_set_py
@@ -24,9 +24,6 @@ from rloo_lightning import advantages as advantages_py
 from rloo_lightning import logprobs as logprobs_py
 from rloo_lightning import losses as losses_py
 from rloo_lightning.exactness import (
-    check_multiturn_step,
-    exact_multiturn_objective,
-    make_multiturn_toy,
     TableSampler,
     check_training_step,
     completion_code,
@@ -36,6 +33,7 @@ from rloo_lightning.exactness import (
     toy_batch,
     toy_module,
 )
+from rloo_lightning.exactness_multiturn import check_multiturn_step, exact_multiturn_objective, make_multiturn_toy
 
 pytestmark = pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")
 
@@ -273,7 +271,7 @@ def test_multiturn_enumeration_is_the_whole_distribution(multiturn_toy):
 
 def _context_probability(mt, p, y):
     ids = mt.toy.tokenizer(mt.toy.prompts[p], add_special_tokens=False)["input_ids"]
-    return torch.exp(exactness_py._context_logprob(mt.toy.policy_table, mt.toy, ids, y))
+    return torch.exp(exactness_multiturn_py._context_logprob(mt.toy.policy_table, mt.toy, ids, y))
 
 
 def test_multiturn_training_step_is_unbiased(multiturn_toy):
