@@ -7,8 +7,9 @@
   pipe: a chatty run cannot block on a full pipe), in a session of its own. :meth:`Proc.wait` kills the
   whole process group at the timeout (a DDP launcher and the ranks it started: a hang fails, never blocks).
   :meth:`Proc.check` raises an ``AssertionError`` with the tail of both outputs unless the run exited 0.
-* :func:`start_cli` / :func:`run_cli`: ``python -m rloo_lightning <args>``; :func:`start_script`: ``python
-  <script> <args>``. Independent runs are started together, then waited for (:func:`wait_all`).
+* :func:`start_cli` / :func:`run_cli`: ``python -m rloo_lightning <args>`` (or the installed script,
+  :func:`entry_point`); :func:`start_script`: ``python <script> <args>``. Independent runs are started
+  together, then waited for (:func:`wait_all`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ CONFIGS = REPO / "configs"
 CLI = [sys.executable, "-m", "rloo_lightning"]
 TIMEOUT = 400  # seconds per subprocess, from its start; a healthy tiny run takes 10-40 s on 2 shared cores
 
-__all__ = ["REPO", "TESTS", "CONFIGS", "CLI", "TIMEOUT", "make_env", "Proc", "start_cli", "run_cli", "start_script",
-           "wait_all"]
+__all__ = ["REPO", "TESTS", "CONFIGS", "CLI", "TIMEOUT", "make_env", "Proc", "entry_point", "start_cli", "run_cli",
+           "start_script", "wait_all"]
 
 
 def make_env(cache: str | os.PathLike | None = None, **extra: str | None) -> dict:
@@ -106,9 +107,17 @@ class Proc:
         return self
 
 
-def start_cli(name: str, args: list[str], cwd: Path, env: dict | None = None, timeout: float = TIMEOUT) -> Proc:
-    """Start ``python -m rloo_lightning <args>`` (the ``rloo-lightning`` entry point) in ``cwd``."""
-    return Proc(name, [*CLI, *map(str, args)], cwd, env, timeout)
+def entry_point() -> list[str]:
+    """The installed ``rloo-lightning`` script, as a user runs it (unlike ``python -m``, it does not put the
+    working directory on ``sys.path``); ``python -m rloo_lightning`` where no script is installed."""
+    exe = Path(sys.executable).parent / "rloo-lightning"
+    return [str(exe)] if exe.exists() else CLI
+
+
+def start_cli(name: str, args: list[str], cwd: Path, env: dict | None = None, timeout: float = TIMEOUT,
+              command: list[str] = CLI) -> Proc:
+    """Start ``python -m rloo_lightning <args>`` (or ``command``, e.g. :func:`entry_point`) in ``cwd``."""
+    return Proc(name, [*command, *map(str, args)], cwd, env, timeout)
 
 
 def run_cli(name: str, args: list[str], cwd: Path, env: dict | None = None, timeout: float = TIMEOUT,

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_harness import CONFIGS, TESTS, Proc, make_env, start_cli, start_script, wait_all
+from cli_harness import CONFIGS, TESTS, Proc, entry_point, make_env, start_cli, start_script, wait_all
 
 pytestmark = pytest.mark.slow  # every run here is a subprocess
 
@@ -305,11 +305,16 @@ def test_checkpoint_holds_policy_and_beta_only_and_is_lean(resume_runs, tiny_mod
 # 1. DDP on CPU (gloo)
 # ---------------------------------------------------------------------------------------------
 def test_ddp_cli_fit_runs_to_completion(tmp_path, tiny_model_dir, _cache_dir):
+    """Also the user's path under DDP: the reward is a file in the working directory and the run is the installed
+    script, which does not put that folder on ``sys.path``. Lightning starts rank 1 by re-running the command,
+    so ``main()`` adds the folder there too."""
     steps = 3
+    (tmp_path / "myreward.py").write_text("from rloo_lightning.tasks.reverse import reward as score  # noqa: F401\n")
     # validation at the last step: with check_val_every_n_epoch=null (quickstart), Lightning's default
     # ModelCheckpoint saves after validation only, so a run that ends between validations has no checkpoint
     args = _fit_args(tmp_path, tiny_model_dir, steps, "--trainer.strategy", "ddp", "--trainer.devices", "2",
                      "--trainer.val_check_interval", str(steps), "--data.num_train_rows", "32",
+                     "--model.rewards.funcs", "[myreward.score]",
                      *_recorder(tmp_path / "rollouts.jsonl"),
                      # callbacks that reduce across ranks (KL max, filter counts) or export on rank 0
                      "--trainer.callbacks+=rloo_lightning.callbacks.KLMonitor",
@@ -317,9 +322,10 @@ def test_ddp_cli_fit_runs_to_completion(tmp_path, tiny_model_dir, _cache_dir):
                      "--trainer.callbacks+=rloo_lightning.callbacks.RewardVarianceLogger",
                      "--trainer.callbacks+=rloo_lightning.callbacks.HFExport",
                      FINAL_CHECKPOINT)  # last.ckpt at the end: trainer.save_checkpoint on both ranks
-    run = _cli("ddp", args, tmp_path, make_env(_cache_dir)).wait()
+    run = start_cli("ddp", args, tmp_path, make_env(_cache_dir), timeout=TIMEOUT, command=entry_point()).wait()
     run.check()
     assert "distributed_backend=gloo" in run.stdout + run.stderr, run.explain()
+    assert "No module named" not in run.log
     version = tmp_path / "lightning_logs" / "version_0"
     scalars = _scalars(version)
     for tag in ("train/reward", "train/kl", "train/loss", "train/entropy", "val/reward", "train/kl_token_max",

@@ -170,12 +170,10 @@ def test_module_watches_for_steps_without_signal(tiny_model_dir):
 
 # -- the CLI, from the user's folder -----------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["--model.rewards.workers", "1"],
-                                   ["--trainer.devices", "2", "--trainer.strategy", "ddp", "--data.batch_size", "4"]],
-                         ids=["in_process", "workers", "ddp"])
+@pytest.mark.parametrize("extra", [[], ["--model.rewards.workers", "1"]], ids=["in_process", "workers"])
 def test_cli_reward_file_in_working_directory(tmp_path, extra, _cache_dir):
-    """DDP: Lightning starts rank 1 by re-running the command, so main() adds the folder there too."""
-    from cli_harness import CONFIGS, Proc, make_env
+    """Under DDP (rank 1 re-runs the command): ``test_reliability.test_ddp_cli_fit_runs_to_completion``."""
+    from cli_harness import CLI, CONFIGS, Proc, entry_point, make_env
 
     (tmp_path / "myreward.py").write_text(
         "def score(prompts, completions, completion_ids, **columns):\n"
@@ -184,13 +182,13 @@ def test_cli_reward_file_in_working_directory(tmp_path, extra, _cache_dir):
                "hgfe=", "aceg=", "bdfh=", "cdab=", "ebc=", "fad=", "gch=", "hab="]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     # the entry-point script, as the user runs it: unlike `python -m`, it does not put the cwd on sys.path
-    exe = Path(sys.executable).parent / "rloo-lightning"
-    if not exe.exists():
+    command = entry_point()
+    if command == CLI:
         pytest.skip("no rloo-lightning entry point next to the interpreter")
     args = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--model.rewards.funcs", "[myreward.score]",
             "--data.task", "null", "--data.train_file", "prompts.jsonl", "--trainer.max_steps", "2",
             "--trainer.limit_val_batches", "0", "--model.validation.at_start", "false", *extra]
-    proc = Proc("fit", [str(exe), *args], tmp_path, env=make_env(cache=_cache_dir)).check()
+    proc = Proc("fit", [*command, *args], tmp_path, env=make_env(cache=_cache_dir)).check()
     assert "No module named" not in proc.log
     assert "has the name of the module" not in proc.log  # no file there shadows a dependency
 
