@@ -4,10 +4,13 @@ Every distributed run is a subprocess (the CLI, or this file run as a script: ``
 helper ...``); nothing forks inside pytest. The runs start together (2 cores) in one module fixture:
 
 * ``a``: the CLI with ``configs/fsdp2_cpu.yaml``, 4 steps, a sharded checkpoint every step;
-* ``b`` (after the others): the same, ``--ckpt_path`` A's step-2 checkpoint, to step 4;
+* ``b`` (once ``a`` is done): the same, ``--ckpt_path`` A's step-2 checkpoint, to step 4;
+* the helper: one pair of processes running ``HELPER_RUNS`` one after another (one start-up, one process
+  group, instead of a pair each):
 * ``helper_fsdp2`` / ``helper_ddp``: a Trainer on FIXED rollouts (``reliability_helpers.ddp_fixed_rollout``'s
   module: completions a function of the prompt text, plain SGD, rows dropped unevenly from step 1), under
   FSDP2 and under DDP, saving full gradients and weights; FSDP2's run first probes generation (below);
+* ``helper_fsdp2_micro``: FSDP2's run with micro-batches, compared with the same DDP run;
 * ``helper_fsdp1``: the same probe under Lightning's ``FSDPStrategy`` (FSDP1, ``auto_wrap_policy`` = the
   decoder layer), which refuses a CPU by an exact-type check: a subclass that only passes FSDP
   ``device_id=cpu`` gets past it, for this test only (Lightning itself runs FSDP on GPUs only).
@@ -18,8 +21,7 @@ runs the whole budget (``min_new_tokens``). A ``TorchDispatchMode`` counts the c
 dispatched inside ``generate``: 0 with the gathering. The control, ``gather=False`` (policy left sharded,
 ``synced_gpus=True``): the same lengths, and the counter does see the per-forward all-gathers.
 
-The tiny model is the ``tiny_model_dir`` fixture (conftest). The whole file: about 50 s of CPU time
-(wall clock: 110 s on a shared 2-core machine at load 6-8).
+The tiny model is the ``tiny_model_dir`` fixture (conftest).
 """
 
 from __future__ import annotations
@@ -69,9 +71,17 @@ def _cli_fit(name: str, root: Path, model_dir: str, max_steps: int, env: dict, *
     return start_cli(name, args, root, env, timeout=TIMEOUT)
 
 
-def _helper(name: str, root: Path, model_dir: str, strategy: str, env: dict, steps: int = 2, *extra: str) -> Proc:
-    args = ["helper", "--strategy", strategy, "--model", model_dir, "--out", root / "out", "--steps", steps, *extra]
-    return start_script(name, __file__, args, root, env, timeout=TIMEOUT)
+# The helper's runs, in order, in one pair of processes (NAME, STRATEGY, STEPS, MICRO-BATCH SIZE, 0 for none):
+# FSDP2, FSDP2 with micro-batches (gradient sync off for all but the last micro-batch's backward), DDP, FSDP1.
+HELPER_RUNS = [("helper_fsdp2", "fsdp2", 2, 0), ("helper_fsdp2_micro", "fsdp2", 2, 5), ("helper_ddp", "ddp", 2, 0),
+               ("helper_fsdp1", "fsdp1", 1, 0)]
+
+
+def _helpers(root: Path, model_dir: str, env: dict) -> Proc:
+    args = ["helper", "--model", model_dir, "--out", root / "out"]
+    for run in HELPER_RUNS:
+        args += ["--run", *run]
+    return start_script("helpers", __file__, args, root, env, timeout=TIMEOUT)
 
 
 def _dcp_to_dict(folder: Path, tmp: Path) -> dict:
@@ -93,20 +103,13 @@ def runs(tmp_path_factory, tiny_model_dir, _cache_dir):
     env = make_env(_cache_dir)
     root = tmp_path_factory.mktemp("sharded")
     t0 = time.monotonic()
-    procs = {
-        "a": _cli_fit("a", root / "a", tiny_model_dir, STEPS, env),
-        "helper_fsdp2": _helper("helper_fsdp2", root / "h_fsdp2", tiny_model_dir, "fsdp2", env),
-        "helper_ddp": _helper("helper_ddp", root / "h_ddp", tiny_model_dir, "ddp", env),
-        "helper_fsdp1": _helper("helper_fsdp1", root / "h_fsdp1", tiny_model_dir, "fsdp1", env, steps=1),
-        # micro_batch_size under FSDP2: gradient sync off for all but the last micro-batch's backward
-        "helper_fsdp2_micro": _helper("helper_fsdp2_micro", root / "h_fsdp2_micro", tiny_model_dir, "fsdp2", env,
-                                      2, "--micro-batch-size", "5"),
-    }
+    procs = {"a": _cli_fit("a", root / "a", tiny_model_dir, STEPS, env),
+             "helpers": _helpers(root / "helpers", tiny_model_dir, env)}
+    if procs["a"].wait().rc == 0:  # resume from A's own step-2 checkpoint, to step 4: compared with A's step 4
+        procs["b"] = _cli_fit("b", root / "b", tiny_model_dir, STEPS, env, "--ckpt_path",
+                              str(_ckpt(root / "a", RESUME_AT)))
     for p in procs.values():
         p.wait()
-    if procs["a"].rc == 0:  # resume from A's own step-2 checkpoint, to step 4: compared with A's step 4
-        procs["b"] = _cli_fit("b", root / "b", tiny_model_dir, STEPS, env, "--ckpt_path",
-                              str(_ckpt(root / "a", RESUME_AT))).wait()
     print(f"sharded runs: {time.monotonic() - t0:.1f} s", file=sys.stderr)
     return {"root": root, "procs": procs}
 
@@ -120,6 +123,11 @@ def _ckpt(run_root: Path, step: int) -> Path:
 def _ok(runs, name: str) -> Proc:
     assert name in runs["procs"], f"{name} did not run (an earlier run failed)"
     return runs["procs"][name].check()
+
+
+def _helper_out(runs, name: str) -> Path:
+    """The output folder of one of the helper's runs (all of them succeeded: the process exited 0)."""
+    return _ok(runs, "helpers").cwd / "out" / name
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -213,8 +221,7 @@ def test_fsdp2_resume_from_a_sharded_checkpoint_matches_the_uninterrupted_run(ru
 # generation: gathered once, no collective inside generate, ranks at different lengths
 # ---------------------------------------------------------------------------------------------------------------
 def _probe(runs, name: str) -> list[dict]:
-    p = _ok(runs, name)
-    return [json.loads((p.cwd / "out" / f"probe_rank{r}.json").read_text()) for r in (0, 1)]
+    return [json.loads((_helper_out(runs, name) / f"probe_rank{r}.json").read_text()) for r in (0, 1)]
 
 
 @pytest.mark.slow  # the `runs` fixture: distributed subprocesses
@@ -242,7 +249,7 @@ def test_generation_with_different_lengths_per_rank_issues_no_collective(runs, n
 @pytest.mark.slow  # the `runs` fixture: distributed subprocesses
 @pytest.mark.parametrize("run", ["helper_fsdp2", "helper_fsdp2_micro"])
 def test_fsdp2_gradients_and_update_equal_ddp_on_a_fixed_rollout(runs, run):
-    fsdp2, ddp = _ok(runs, run).cwd / "out", _ok(runs, "helper_ddp").cwd / "out"
+    fsdp2, ddp = _helper_out(runs, run), _helper_out(runs, "helper_ddp")
     kept = [json.loads(line) for line in (ddp / "kept_rank0.jsonl").read_text().splitlines()]
     kept1 = [json.loads(line) for line in (ddp / "kept_rank1.jsonl").read_text().splitlines()]
     assert kept[1]["kept"] != kept1[1]["kept"]  # step 1: the ranks keep unequal numbers of rows
@@ -483,7 +490,26 @@ def test_other_strategies_configure_model_copies_the_reference(monkeypatch, tiny
 def _helper_main(argv: list[str]) -> None:  # pragma: no cover - runs in subprocesses
     import argparse
 
-    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch import seed_everything
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--run", nargs=4, action="append", required=True,
+                        metavar=("NAME", "STRATEGY", "STEPS", "MICRO"),
+                        help="one Trainer.fit, in order (STRATEGY: ddp, fsdp2 or fsdp1; MICRO 0: no micro-batches); "
+                             "the first starts rank 1 and the process group, the others reuse them")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    for name, strategy, steps, micro in args.run:
+        assert strategy in ("ddp", "fsdp2", "fsdp1"), strategy
+        seed_everything(0)  # each run starts as it would in a process of its own
+        _helper_fit(args.model, Path(args.out) / name, strategy, int(steps), int(micro) or None)
+
+
+def _helper_fit(model_dir: str, out: Path, strategy_name: str, steps: int,
+                micro_batch_size: int | None) -> None:  # pragma: no cover - runs in subprocesses
+    from lightning.pytorch import Trainer
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
     from reliability_helpers.ddp_fixed_rollout import DropRows, FixedRolloutRLOO
@@ -495,17 +521,7 @@ def _helper_main(argv: list[str]) -> None:  # pragma: no cover - runs in subproc
     from rloo_lightning.rollout import generate_rollout
     from rloo_lightning.sharding import gathered_for_generation, generation_path
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", choices=["ddp", "fsdp2", "fsdp1"], required=True)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--micro-batch-size", type=int, default=None)
-    args = parser.parse_args(argv)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    seed_everything(0)
-    torch.set_num_threads(1)
 
     def full(t):
         return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -594,34 +610,34 @@ def _helper_main(argv: list[str]) -> None:  # pragma: no cover - runs in subproc
             print(f"probe rank {rank}: {record}", flush=True)
 
         def training_step(self, batch, batch_idx):
-            if self.global_step == 0 and args.strategy != "ddp":
+            if self.global_step == 0 and strategy_name != "ddp":
                 self.probe(batch)
             return super().training_step(batch, batch_idx)
 
         def on_before_optimizer_step(self, optimizer) -> None:
             RLOOModule.on_before_optimizer_step(self, optimizer)
-            if args.strategy == "fsdp1":
+            if strategy_name == "fsdp1":
                 return
             grads = {n: full(p.grad).detach().clone() for n, p in self.policy.named_parameters() if p.grad is not None}
             torch.save(grads, out / f"full_grads_rank{self.global_rank}_step{self.global_step}.pt")
 
         def on_train_end(self) -> None:
-            if args.strategy == "fsdp1":
+            if strategy_name == "fsdp1":
                 return
             state = {n: full(v).detach().clone() for n, v in self.policy.state_dict().items()}
             torch.save(state, out / f"full_weights_rank{self.global_rank}.pt")
 
     module = Probed(
-        args.model, rewards={"funcs": ["rloo_lightning.tasks.reverse.reward"]},
+        model_dir, rewards={"funcs": ["rloo_lightning.tasks.reverse.reward"]},
         sampling={"k": 4, "max_new_tokens": 6}, kl={"beta": 0.05},
-        update={"warmup_ratio": 0.0, "micro_batch_size": args.micro_batch_size}, validation={"at_start": False},
+        update={"warmup_ratio": 0.0, "micro_batch_size": micro_batch_size}, validation={"at_start": False},
         out=str(out), optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
     )
-    data = PromptDataModule(tokenizer_name_or_path=args.model, task="reverse", batch_size=4,
+    data = PromptDataModule(tokenizer_name_or_path=model_dir, task="reverse", batch_size=4,
                             num_train_rows=64, num_val_rows=4, max_new_tokens=6)
-    if args.strategy == "ddp":
+    if strategy_name == "ddp":
         strategy = "ddp"
-    elif args.strategy == "fsdp2":
+    elif strategy_name == "fsdp2":
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     else:
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -639,7 +655,7 @@ def _helper_main(argv: list[str]) -> None:  # pragma: no cover - runs in subproc
 
         strategy = CPUFSDPStrategy(auto_wrap_policy={LlamaDecoderLayer})
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, limit_val_batches=0,
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, limit_val_batches=0,
         num_sanity_val_steps=0, log_every_n_steps=1, logger=CSVLogger(str(out), name="", version=""),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[DropRows(out, 1)],
@@ -651,4 +667,4 @@ if __name__ == "__main__":  # pragma: no cover
     if sys.argv[1:2] == ["helper"]:
         _helper_main(sys.argv[2:])
     else:
-        sys.exit(f"usage: {sys.argv[0]} helper --strategy ddp|fsdp2|fsdp1 --model DIR --out DIR")
+        sys.exit(f"usage: {sys.argv[0]} helper --model DIR --out DIR --run NAME ddp|fsdp2|fsdp1 STEPS MICRO ...")
