@@ -16,7 +16,9 @@ At ``--eval-steps`` each run saves the policy's weights; the time spent saving i
 which counts from the start of training (after the model load). One scoring process then loads every
 snapshot into the same model and decodes the held-out prompts greedily (48 new tokens, the chat template as
 in training), scored by the task's reward (the last number equals the answer). The held-out prompts are
-``make_rows(n, 1000)`` minus any prompt of either seed's training rows. Step 0 is the shared start.
+``make_rows(n, 1000)`` minus any prompt of the seeds' training rows. Step 0 is the shared start.
+``--resume --seeds 0 1 2`` adds a seed to a finished record: the new runs are scored on the record's prompts,
+and the summary counts only those in no run's training rows.
 
 Stated before the runs (the issue's criteria): (1) the 95 % interval of the final accuracy difference,
 ours minus TRL, lies within ±0.05; (2) each system's final accuracy is above step 0's, its 95 % interval
@@ -203,6 +205,14 @@ def held_out_rows(n: int, train_seeds: list[int], num_train_rows: int, task: str
     return rows[:n]
 
 
+def held_out_indices(rows: list[dict], train_seeds: list[int], num_train_rows: int, task: str) -> list[int]:
+    """The indices of ``rows`` whose prompt is in no training rows of ``train_seeds``."""
+    from rloo_lightning.tasks import get_task
+
+    seen = {r["prompt"] for s in train_seeds for r in get_task(task).make_rows(num_train_rows, s)}
+    return [i for i, r in enumerate(rows) if r["prompt"] not in seen]
+
+
 def run_score(spec_path: str, out_path: str) -> None:
     """Greedy completions of the held-out prompts for each snapshot (None: the model as loaded)."""
     spec = read_spec(spec_path)
@@ -287,9 +297,16 @@ def _prepare_gguf(workdir: Path, threads: int) -> str:
     return str(target)
 
 
-def summarize(runs: dict, start: dict, rows: int) -> dict:
-    """Accuracies, the two stated intervals and time to accuracy, from the scored snapshots."""
-    start_acc = start["accuracy"]
+def summarize(runs: dict, start: dict, keep: list[int]) -> dict:
+    """Accuracies, the two stated intervals and time to accuracy, from the scored snapshots.
+
+    ``keep``: the indices of the scored prompts that count, those in no run's training rows (a seed added
+    after the first runs may have trained on a few of the prompts they were scored on).
+    """
+    def acc(correct: list[int]) -> float:
+        return statistics.fmean(correct[i] for i in keep)
+
+    start_acc = acc(start["correct"])
     out: dict = {"step0_accuracy": round(start_acc, 4), "systems": {}}
     finals: dict[str, list[list[int]]] = {}
     for system in SYSTEMS:
@@ -298,7 +315,7 @@ def summarize(runs: dict, start: dict, rows: int) -> dict:
             continue
         per_run = []
         for r in mine:
-            curve = [(0, 0.0, start_acc)] + [(s["step"], s["train_s"], s["accuracy"]) for s in r["snapshots"]]
+            curve = [(0, 0.0, start_acc)] + [(s["step"], s["train_s"], acc(s["correct"])) for s in r["snapshots"]]
             final = curve[-1][2]
             mid = (start_acc + final) / 2
             reach = next((c for c in curve[1:] if c[2] >= mid), None)
@@ -309,12 +326,12 @@ def summarize(runs: dict, start: dict, rows: int) -> dict:
                             "step_to_midpoint": reach[0] if reach and final > start_acc else None,
                             "train_s": round(r["snapshots"][-1]["train_s"], 1), "startup_s": round(r["startup_s"], 1),
                             "peak_rss_mb": round(r["peak_rss_mb"]), "train_reward": r["train_reward"]})
-        finals[system] = [r["snapshots"][-1]["correct"] for r in mine]
+        finals[system] = [[r["snapshots"][-1]["correct"][i] for i in keep] for r in mine]
         mean_final = [statistics.fmean(c) for c in zip(*finals[system])]
         out["systems"][system] = {
             "name": SYSTEMS[system], "runs": per_run,
             "final_accuracy_mean": round(statistics.fmean(p["final_accuracy"] for p in per_run), 4),
-            "improvement_over_step0": _interval([f - s for f, s in zip(mean_final, start["correct"])]),
+            "improvement_over_step0": _interval([f - start["correct"][i] for f, i in zip(mean_final, keep)]),
         }
         imp = out["systems"][system]["improvement_over_step0"]
         out["systems"][system]["improves_significantly"] = imp["ci95"][0] > 0
@@ -324,7 +341,7 @@ def summarize(runs: dict, start: dict, rows: int) -> dict:
         diff = _interval([x - y for x, y in zip(a, b)])
         out["difference_a_minus_b"] = diff
         out["difference_within_0.05"] = diff["ci95"][0] >= -0.05 and diff["ci95"][1] <= 0.05
-    out["held_out_prompts"] = rows
+    out["held_out_prompts"] = len(keep)
     return out
 
 
@@ -421,16 +438,23 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     hf_dir = _prepare_gguf(workdir, args.threads) if args.hf_dir == "gguf" else str(Path(args.hf_dir).resolve())
     hyper = _hyper()
-    rows = held_out_rows(args.eval_rows, args.seeds, hyper["num_train_rows"], hyper["task"])
+    held_out_seeds = args.seeds  # the scored prompts exclude these seeds' training rows
+    if args.resume and Path(args.out).exists():  # score on the rows the finished runs were scored on
+        done = json.loads(Path(args.out).read_text())
+        held_out_seeds = done.get("held_out_seeds", done["seeds"])
+    rows = held_out_rows(args.eval_rows, held_out_seeds, hyper["num_train_rows"], hyper["task"])
+    keep = held_out_indices(rows, args.seeds, hyper["num_train_rows"], hyper["task"])
     score_spec = {"hf_dir": hf_dir, "rows": rows, "reward": hyper["reward"], "threads": args.threads,
                   "max_new_tokens": hyper["max_new_tokens"], "batch": args.eval_batch}
     record = {"hf_dir": hf_dir, "steps": args.steps, "seeds": args.seeds, "eval_steps": args.eval_steps,
-              "hyperparameters": hyper, "threads": args.threads, "runs": {}}
-    if args.resume and Path(args.out).exists():  # keep the finished runs; the held-out rows are the same
+              "hyperparameters": hyper, "threads": args.threads, "held_out_seeds": held_out_seeds, "runs": {}}
+    if args.resume and Path(args.out).exists():  # keep the finished runs, scored on the same rows
         done = json.loads(Path(args.out).read_text())
-        for key in ("steps", "seeds", "eval_steps", "hyperparameters"):
+        for key in ("steps", "eval_steps", "hyperparameters"):
             if done[key] != record[key]:
                 parser.error(f"--resume: {args.out} has {key}={done[key]!r}, not {record[key]!r}")
+        if not set(done["seeds"]) <= set(args.seeds):
+            parser.error(f"--resume: {args.out} has seeds {done['seeds']}; --seeds {args.seeds} must include them")
         record["runs"] = done["runs"]
         record["sessions"] = done.get("sessions", 1) + 1
     wall = time.perf_counter()
@@ -439,7 +463,8 @@ def main() -> None:
         start = json.loads(step0.read_text())["results"][0]
     else:
         start = _child("score", dict(score_spec, snapshots=[None]), workdir / "score_step0", args.threads)["results"][0]
-    record["step0"] = {"accuracy": start["accuracy"], "score_s": start["score_s"], "examples": start["examples"]}
+    record["step0"] = {"accuracy": start["accuracy"], "score_s": start["score_s"], "examples": start["examples"],
+                       "correct": start["correct"]}
     for seed in args.seeds:
         for system in args.systems:  # interleaved: a drift of the machine's speed falls on both
             name = f"{system}_seed{seed}"
@@ -456,7 +481,7 @@ def main() -> None:
                 snap.update(accuracy=res["accuracy"], correct=res["correct"], examples=res["examples"])
                 Path(snap["path"]).unlink()  # 540 MB each
             record["runs"][name] = dict(run, system=system, seed=seed)
-            record["summary"] = summarize(record["runs"], start, len(rows))
+            record["summary"] = summarize(record["runs"], start, keep)
             record["wall_s"] = round(time.perf_counter() - wall)
             Path(args.out).write_text(json.dumps(record, indent=1))
             print(json.dumps({name: record["summary"]["systems"][system]["runs"][-1]["curve"]}), flush=True)

@@ -1,0 +1,50 @@
+"""``scripts/learning_parity.py``'s held-out prompts and summary when a seed is added to a finished record: the
+new seed's training rows may hold a few of the prompts the first runs were scored on, and those stop counting."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from cli_harness import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import learning_parity as lp  # noqa: E402
+
+ROWS = 2000  # the script's num_train_rows
+
+
+def test_held_out_indices_drop_exactly_the_prompts_a_new_seed_trains_on():
+    from rloo_lightning.tasks import get_task
+
+    rows = lp.held_out_rows(200, [0, 1], ROWS, "arithmetic")
+    assert lp.held_out_indices(rows, [0, 1], ROWS, "arithmetic") == list(range(len(rows)))
+    keep = lp.held_out_indices(rows, [0, 1, 2], ROWS, "arithmetic")
+    seed2 = {r["prompt"] for r in get_task("arithmetic").make_rows(ROWS, 2)}
+    dropped = [i for i in range(len(rows)) if i not in keep]
+    assert dropped, "seed 2 shares no prompt with these rows: the test would not test the drop"
+    assert all(rows[i]["prompt"] in seed2 for i in dropped)
+    assert not any(rows[i]["prompt"] in seed2 for i in keep)
+
+
+def _run(system: str, seed: int, finals: list[int]) -> dict:
+    snapshots = [{"step": 10, "train_s": 5.0, "correct": [0] * len(finals)},
+                 {"step": 20, "train_s": 10.0, "correct": finals}]
+    return {"system": system, "seed": seed, "snapshots": snapshots, "startup_s": 1.0, "peak_rss_mb": 100.0,
+            "train_reward": [0.0, 1.0]}
+
+
+def test_summary_counts_only_the_kept_prompts():
+    start = {"correct": [0, 0, 1, 0]}
+    runs = {"a_seed0": _run("a", 0, [1, 1, 1, 0]), "b_seed0": _run("b", 0, [1, 0, 1, 1])}
+    everything = lp.summarize(runs, start, [0, 1, 2, 3])
+    assert everything["held_out_prompts"] == 4
+    assert everything["difference_a_minus_b"]["mean"] == 0.0
+    kept = lp.summarize(runs, start, [0, 1, 2])  # prompt 3 is in a new seed's training rows
+    assert kept["held_out_prompts"] == 3
+    assert kept["step0_accuracy"] == pytest.approx(1 / 3, abs=1e-4)
+    a, b = (kept["systems"][s]["runs"][0] for s in "ab")
+    assert (a["final_accuracy"], b["final_accuracy"]) == (1.0, pytest.approx(2 / 3, abs=1e-4))
+    assert [c["accuracy"] for c in a["curve"]] == [pytest.approx(1 / 3, abs=1e-4), 0.0, 1.0]
+    assert kept["difference_a_minus_b"]["mean"] == pytest.approx(1 / 3, abs=1e-4)
+    assert kept["systems"]["a"]["improvement_over_step0"]["mean"] == pytest.approx(2 / 3, abs=1e-4)
