@@ -26,7 +26,7 @@ from rloo_lightning.dynamic_sampling import fill_informative
 from rloo_lightning.kl import fold_kl, mix_into_reference, reward_to_go, token_rewards_after_baseline
 from rloo_lightning.logprobs import sequence_logprobs, worth_sharing
 from rloo_lightning.losses import PolicyLoss
-from rloo_lightning.metrics import NoSignalWatch, pass_at_k, train_metric_sums
+from rloo_lightning.metrics import NoSignalWatch, log_step_metrics, pass_at_k, train_metric_sums, write_to_loggers
 from rloo_lightning.multiturn import EpisodeSampler
 from rloo_lightning.policy import Frozen, disable_dropout, export_pretrained, load_models, lora_config, prepare_policy
 from rloo_lightning.rewards import RewardSet
@@ -34,7 +34,7 @@ from rloo_lightning.rewards.model import RewardModel
 from rloo_lightning.rewards.shaping import shape_rewards
 from rloo_lightning.rollout import GenerationEngine, Rollout, default_eos_ids, derive_seed
 from rloo_lightning.rollout import generate_rollout, generation_configs
-from rloo_lightning.timing import PhaseTimer, log_phase_times
+from rloo_lightning.timing import PhaseTimer
 from rloo_lightning.update import (
     GradientStash, NonFiniteError, NonFiniteGuard, RolloutReuse, loss_denominators, micro_batched_loss, micro_batches,
 )
@@ -447,8 +447,7 @@ class RLOOModule(LightningModule):
 
         rollout, stats = fill_informative(rollout, num_groups, self.cfg.dynamic_sampling, draw,
                                           self.reduce_across_ranks, self.tokenizer.pad_token_id, step)
-        for name, value in stats.items():
-            self.log(name, value, batch_size=num_groups)
+        log_step_metrics(self._trainer, stats, step)
         return rollout
 
     def _grad_free(self):
@@ -543,11 +542,12 @@ class RLOOModule(LightningModule):
                                for s, n in sums.values()])
         stacked = self.reduce_across_ranks(stacked, "sum")
         metrics = dict(zip(sums, (stacked[:, 0] / stacked[:, 1].clamp(min=1)).tolist()))
-        for name, value in metrics.items():
-            self.log(name, value, prog_bar=name in ("train/reward", "train/kl"), batch_size=len(rollout.prompts))
+        log_step_metrics(self._trainer, metrics, self.global_step, prog_bar=("train/reward", "train/kl"))
         self.no_signal.update(metrics["train/zero_std_groups"], self.global_step)
-        if self.timer.enabled:
-            log_phase_times(self._trainer, self.timer.totals, self.global_step)
+        if self.timer.enabled and self._trainer is not None:
+            # to the loggers only, not to callback_metrics: seconds per phase are for reading, not monitoring
+            write_to_loggers(self._trainer, {f"time/{phase}": t for phase, t in self.timer.totals.items()},
+                             self.global_step)
         return metrics
 
     def evaluate_batch(self, batch: dict, batch_idx: int) -> dict[str, Tensor]:

@@ -15,7 +15,7 @@ from contextlib import nullcontext
 
 import torch
 
-__all__ = ["PhaseTimer", "peak_rss_mb", "log_phase_times", "sync_device"]
+__all__ = ["PhaseTimer", "peak_rss_mb", "sync_device"]
 
 _NULL = nullcontext()  # reusable and reentrant: the one context a disabled timer hands out
 
@@ -85,15 +85,3 @@ class PhaseTimer:
         if totals:
             self.last = totals
         return totals
-
-
-def log_phase_times(trainer, totals: dict[str, float], step: int) -> None:
-    """``time/<phase>`` seconds straight to the trainer's loggers, every ``log_every_n_steps`` steps.
-
-    Not through ``self.log``: its per-key bookkeeping (about half a millisecond a key on CPU) would
-    make the timers the largest cost they measure. So they are not in ``trainer.callback_metrics``.
-    """
-    if trainer is None or not trainer.loggers or step % max(trainer.log_every_n_steps, 1):
-        return
-    for logger in trainer.loggers:
-        logger.log_metrics({f"time/{phase}": seconds for phase, seconds in totals.items()}, step=step)

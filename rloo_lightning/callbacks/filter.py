@@ -9,6 +9,7 @@ from lightning.pytorch import LightningModule, Trainer
 
 from rloo_lightning.advantages import informative_groups
 from rloo_lightning.callbacks.base import RolloutHook
+from rloo_lightning.metrics import log_step_metrics
 
 __all__ = ["ZeroVarianceFilter"]
 
@@ -53,7 +54,7 @@ class ZeroVarianceFilter(RolloutHook):
         counts = pl_module.reduce_across_ranks(counts.float(), "sum")
         self.dropped_groups += int(counts[0])
         self.seen_groups += int(counts[1])
-        pl_module.log("train/filtered_groups", (counts[0] / counts[1]).item(), batch_size=len(rollout.prompts))
+        log_step_metrics(trainer, {"train/filtered_groups": (counts[0] / counts[1]).item()}, pl_module.global_step)
 
     def state_dict(self) -> dict:
         return {"dropped_groups": self.dropped_groups, "seen_groups": self.seen_groups}

@@ -9,6 +9,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
 from rloo_lightning.callbacks.base import RolloutHook
+from rloo_lightning.metrics import log_step_metrics
 
 __all__ = ["KLMonitor", "adaptive_beta"]
 
@@ -88,8 +89,7 @@ class KLMonitor(RolloutHook):
         for q, v in zip(self.quantiles, torch.quantile(seq, torch.tensor(self.quantiles, device=seq.device))):
             metrics[f"train/kl_seq_q{q * 100:g}"] = v.item()
         metrics["train/beta"] = float(pl_module.beta)
-        for name, value in metrics.items():
-            pl_module.log(name, value, batch_size=len(rollout.prompts))
+        log_step_metrics(trainer, metrics, pl_module.global_step)
         if self.target is not None:
             new = adaptive_beta(float(pl_module.beta), mean_kl, self.target, self.horizon, seq.numel())
             pl_module.beta.fill_(new)

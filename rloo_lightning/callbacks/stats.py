@@ -7,6 +7,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from rloo_lightning.callbacks.base import RolloutHook
+from rloo_lightning.metrics import log_step_metrics
 from rloo_lightning.advantages import group_std
 
 __all__ = ["RewardVarianceLogger", "SampleLogger"]
@@ -51,8 +52,7 @@ class RewardVarianceLogger(RolloutHook):
                 metrics[f"train/score/{name}_std"] = ok.std(unbiased=False).item()
                 metrics[f"train/score/{name}_min"] = ok.min().item()
                 metrics[f"train/score/{name}_max"] = ok.max().item()
-        for name, value in metrics.items():
-            pl_module.log(name, value, batch_size=len(rollout.prompts))
+        log_step_metrics(trainer, metrics, pl_module.global_step)
         step = trainer.global_step
         if not (self.histogram_every_n_steps and step % self.histogram_every_n_steps == 0):
             return
