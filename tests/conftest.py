@@ -11,6 +11,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one worker per CPU (pyproject's addopts): one thread each, as the CLI subprocesses get (cli_harness),
+    # so that two workers never oversubscribe the cores with spinning OpenMP threads
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _cache_dir(tmp_path_factory):
