@@ -19,8 +19,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 @pytest.fixture(scope="session", autouse=True)
 def _cache_dir(tmp_path_factory):
-    """Tiny task models are built once per test session into a private cache."""
-    path = tmp_path_factory.mktemp("rloo_cache")
+    """Tiny task models are built once per test session into a private cache, shared by the xdist workers
+    (their base folders have one parent): a model or prompt cache is written to a temporary folder and renamed,
+    so a worker never reads another's half-written one, and a model one worker built is not built again."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        path = tmp_path_factory.getbasetemp().parent / "rloo_cache"
+        path.mkdir(exist_ok=True)
+    else:
+        path = tmp_path_factory.mktemp("rloo_cache")
     old = os.environ.get("RLOO_LIGHTNING_CACHE")
     os.environ["RLOO_LIGHTNING_CACHE"] = str(path)
     yield path

@@ -166,7 +166,7 @@ def _fit(name: str, tmp: Path, cache: Path, max_steps: int, extra: list[str] = (
             "--trainer.enable_progress_bar", "false", "--data.num_train_rows", "256", "--data.num_val_rows", "16",
             "--trainer.callbacks+=rloo_lightning.callbacks.SampleLogger", "--trainer.callbacks.every_n_steps=2",
             *extra]
-    return run_cli(name, args, tmp, make_env(cache, OMP_NUM_THREADS=None), timeout=600)
+    return run_cli(name, args, tmp, make_env(cache), timeout=600)
 
 
 @pytest.fixture(scope="module")
