@@ -151,8 +151,15 @@ class NonFiniteGuard:
 
     @staticmethod
     def finite(reduce, *tensors: Tensor) -> bool:
-        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP2: this rank's shard
-        ok = torch.stack([torch.isfinite(t.detach()).all() for t in local]).all().float()
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP2: this rank's shard,
+        nonempty = [t.detach() for t in local if t.numel()]  # which may be empty
+        if nonempty:
+            # Each tensor's max-abs norm, one fused op for all of them (not two ops a tensor): it is inf or NaN
+            # iff some element is, and a finite tensor never overflows it (a sum or a 2-norm could).
+            norms = torch._foreach_norm(nonempty, ord=float("inf"))
+            ok = torch.stack([n.float() for n in norms]).isfinite().all().float()
+        else:
+            ok = torch.ones((), device=tensors[0].device)
         return bool(reduce(ok, "min") > 0)
 
     def handle(self, what: str, step: int, stats: dict[str, float]) -> None:

@@ -358,3 +358,19 @@ def test_default_chunks_are_bounded_by_elements_not_rows(monkeypatch):
     p = torch.softmax(logits.detach() / 0.7, -1)
     torch.testing.assert_close(token_entropy(logits.detach(), 0.7), -(p * p.log()).sum(-1).float(),
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_guard_finds_one_bad_element_among_many_tensors(bad):
+    from rloo_lightning.update import NonFiniteGuard
+
+    def reduce(t, op):
+        return t
+
+    tensors = [torch.randn(5, 3), torch.empty(0), torch.full((4,), 3e38), torch.randn(7, dtype=torch.float64)]
+    assert NonFiniteGuard.finite(reduce, *tensors)  # large but finite values do not overflow the check
+    for i in (0, 2, 3):
+        broken = [t.clone() for t in tensors]
+        broken[i].view(-1)[-1] = bad
+        assert not NonFiniteGuard.finite(reduce, *broken), i
+    assert NonFiniteGuard.finite(reduce, torch.empty(0))  # an empty shard (FSDP2) is finite
