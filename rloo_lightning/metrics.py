@@ -25,10 +25,11 @@ def log_step_metrics(trainer, metrics: Mapping[str, float], step: int, prog_bar:
 
     ``self.log`` costs about a millisecond a key on a CPU whatever the value (Lightning moves the key's whole
     result state to the value's device at every call; ``scripts/bench_logging.py``: 1.1 ms a key, 0.19 ms here,
-    on 2 cores); the step logs 12-20 keys, several milliseconds a step. These values need none of what it adds: they are already global means, and each is one
-    step's value (no epoch aggregation). They go to ``trainer.callback_metrics`` (what a ``ModelCheckpoint`` or
-    ``EarlyStopping`` ``monitor`` and the progress bar read), ``trainer.progress_bar_metrics`` for the keys in
-    ``prog_bar``, and the loggers at the steps Lightning writes training metrics (:func:`write_to_loggers`).
+    on 2 cores); the step logs 12-20 keys, several milliseconds a step. These values need none of what it
+    adds: they are already global means, and each is one step's value (no epoch aggregation). They go to
+    ``trainer.callback_metrics`` (what a ``ModelCheckpoint`` or ``EarlyStopping`` ``monitor`` and the progress
+    bar read), ``trainer.progress_bar_metrics`` for the keys in ``prog_bar``, and the loggers at the steps
+    Lightning writes training metrics (:func:`write_to_loggers`).
     Without a trainer (a module driven by hand), nothing.
     """
     if trainer is None or not metrics:
