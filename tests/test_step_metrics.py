@@ -84,3 +84,30 @@ def test_a_checkpoint_can_monitor_a_training_metric(tiny_model_dir, tmp_path):
     assert sorted(rewards) == [0, 1, 2]
     assert best.best_model_path and float(best.best_model_score) == max(rewards.values())
     assert trainer.callback_metrics["train/reward"] == rewards[2]
+
+
+def _tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_gets_one_event_a_step_with_what_log_metrics_writes(tmp_path):
+    """The same tags (with the logger's prefix), steps and values as Lightning's ``log_metrics`` writes."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from rloo_lightning.metrics import write_to_loggers
+
+    fast, plain = (TensorBoardLogger(tmp_path, name=n, prefix="run") for n in ("fast", "plain"))
+    trainer = Trainer(logger=[fast], log_every_n_steps=1, accelerator="cpu", enable_progress_bar=False)
+    for step in range(3):
+        values = {"train/a": 0.1 * step, "train/b": 1e-7 + step}
+        write_to_loggers(trainer, values, step)
+        plain.log_metrics({**values, "epoch": 0}, step=step)
+    fast.experiment.flush()
+    plain.experiment.flush()
+    written = _tensorboard_scalars(fast.log_dir)
+    assert set(written) == {"run-train/a", "run-train/b", "run-epoch"}
+    assert written == _tensorboard_scalars(plain.log_dir)
