@@ -360,7 +360,7 @@ def plot(path: str) -> None:
             acc = [c["accuracy"] for c in r["curve"]]
             secs = [c["train_s"] / 60 for c in r["curve"]]
             label = f"{s['name']} seed {r['seed']}"
-            style = "-" if r["seed"] == data["seeds"][0] else "--"
+            style = ["-", "--", ":", "-."][data["seeds"].index(r["seed"]) % 4]
             axes[0].plot(steps, acc, style, color=colors[system], marker="o", label=label)
             axes[1].plot(secs, acc, style, color=colors[system], marker="o", label=label)
     n = data["summary"]["held_out_prompts"]
