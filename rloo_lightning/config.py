@@ -334,6 +334,11 @@ class UpdateArgs:
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"update.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
 
+    def warmup_steps(self, total_steps: int) -> int:
+        """The default schedule's warm-up for a run of ``total_steps`` optimizer steps: ``warmup_ratio`` of them,
+        rounded down (``module.warmup_constant_schedule``; the first step runs at 1 / warm-up of the rate)."""
+        return int(self.warmup_ratio * total_steps)
+
 
 @dataclass(frozen=True)
 class CorrectionArgs:

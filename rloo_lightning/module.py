@@ -234,7 +234,7 @@ class RLOOModule(LightningModule):
             scheduler = self.scheduler_factory(optimizer)
         else:
             total = self.trainer.estimated_stepping_batches
-            scheduler = warmup_constant_schedule(optimizer, int(self.cfg.update.warmup_ratio * total))
+            scheduler = warmup_constant_schedule(optimizer, self.cfg.update.warmup_steps(total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # -- the training step ---------------------------------------------------------------------

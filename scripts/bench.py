@@ -419,6 +419,7 @@ def main() -> None:
             sys.exit('system (b) needs TRL: pip install -e ".[bench]"')
     qs = _quickstart()
     qs_model = qs["model"]
+    from rloo_lightning.config import UpdateArgs  # here: the children import what they measure themselves
     limits = None
     if not args.no_limits:  # this machine's bandwidth and matmul rates, for each phase's floor
         import torch
@@ -467,8 +468,8 @@ def main() -> None:
                 "k": cfg["k"] or qs_model["sampling"]["k"],
                 "max_new_tokens": cfg["max_new_tokens"] or qs_model["sampling"]["max_new_tokens"],
                 "beta": qs_model["kl"]["beta"], "temperature": qs_model["sampling"]["temperature"], "lr": lr,
-                # our default schedule: linear warm-up over int(0.03 * max_steps) steps, then constant
-                "warmup_steps_lr": int(0.03 * total),
+                # our default schedule, which the quickstart keeps: a linear warm-up, then constant
+                "warmup_steps_lr": UpdateArgs(**qs_model.get("update", {})).warmup_steps(total),
                 "task": qs["data"]["task"], "reward": qs_model["rewards"]["funcs"][0],
                 "num_train_rows": 4000,  # PromptDataModule's default, which the quickstart keeps
                 "total_steps": total, "threads": args.threads, "override": cfg["override"],
