@@ -544,7 +544,7 @@ class RLOOModule(LightningModule):
         metrics = dict(zip(sums, (stacked[:, 0] / stacked[:, 1].clamp(min=1)).tolist()))
         log_step_metrics(self._trainer, metrics, self.global_step, prog_bar=("train/reward", "train/kl"))
         self.no_signal.update(metrics["train/zero_std_groups"], self.global_step)
-        if self.timer.enabled and self._trainer is not None:
+        if self.timer.enabled:
             # to the loggers only, not to callback_metrics: seconds per phase are for reading, not monitoring
             write_to_loggers(self._trainer, {f"time/{phase}": t for phase, t in self.timer.totals.items()},
                              self.global_step)
