@@ -438,18 +438,16 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     hf_dir = _prepare_gguf(workdir, args.threads) if args.hf_dir == "gguf" else str(Path(args.hf_dir).resolve())
     hyper = _hyper()
-    held_out_seeds = args.seeds  # the scored prompts exclude these seeds' training rows
-    if args.resume and Path(args.out).exists():  # score on the rows the finished runs were scored on
-        done = json.loads(Path(args.out).read_text())
-        held_out_seeds = done.get("held_out_seeds", done["seeds"])
+    done = json.loads(Path(args.out).read_text()) if args.resume and Path(args.out).exists() else None
+    # the scored prompts exclude these seeds' training rows: a resumed record's, so new runs score on its rows
+    held_out_seeds = done.get("held_out_seeds", done["seeds"]) if done else args.seeds
     rows = held_out_rows(args.eval_rows, held_out_seeds, hyper["num_train_rows"], hyper["task"])
     keep = held_out_indices(rows, args.seeds, hyper["num_train_rows"], hyper["task"])
     score_spec = {"hf_dir": hf_dir, "rows": rows, "reward": hyper["reward"], "threads": args.threads,
                   "max_new_tokens": hyper["max_new_tokens"], "batch": args.eval_batch}
     record = {"hf_dir": hf_dir, "steps": args.steps, "seeds": args.seeds, "eval_steps": args.eval_steps,
               "hyperparameters": hyper, "threads": args.threads, "held_out_seeds": held_out_seeds, "runs": {}}
-    if args.resume and Path(args.out).exists():  # keep the finished runs, scored on the same rows
-        done = json.loads(Path(args.out).read_text())
+    if done:  # keep the finished runs, scored on the same rows
         for key in ("steps", "eval_steps", "hyperparameters"):
             if done[key] != record[key]:
                 parser.error(f"--resume: {args.out} has {key}={done[key]!r}, not {record[key]!r}")

@@ -58,8 +58,7 @@ def _prefix_args(max_steps: int) -> list[str]:
     from rloo_lightning.config import UpdateArgs
 
     config = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
-    ratio = config.get("model", {}).get("update", {}).get("warmup_ratio", UpdateArgs.warmup_ratio)
-    warmup = UpdateArgs(warmup_ratio=ratio).warmup_steps(config["trainer"]["max_steps"])
+    warmup = UpdateArgs(**config.get("model", {}).get("update", {})).warmup_steps(config["trainer"]["max_steps"])
     if warmup >= max_steps:
         raise SystemExit(f"--max-steps {max_steps} ends within the warm-up ({warmup} steps)")
     return ["--trainer.max_steps", str(max_steps), "--model.update.warmup_ratio", str((warmup + 0.5) / max_steps)]
