@@ -463,6 +463,8 @@ def main() -> None:
         start = _child("score", dict(score_spec, snapshots=[None]), workdir / "score_step0", args.threads)["results"][0]
     record["step0"] = {"accuracy": start["accuracy"], "score_s": start["score_s"], "examples": start["examples"],
                        "correct": start["correct"]}
+    if record["runs"]:  # a resume with nothing left to run still reports (and is rescored on ``keep``)
+        record["summary"] = summarize(record["runs"], start, keep)
     for seed in args.seeds:
         for system in args.systems:  # interleaved: a drift of the machine's speed falls on both
             name = f"{system}_seed{seed}"
