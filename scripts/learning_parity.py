@@ -144,15 +144,30 @@ def run_a(spec_path: str, out_path: str) -> None:
     write_result(out_path, {"system": "a", **result, "args": args})
 
 
+def trl_config(spec: dict, output_dir: Path):
+    """TRL's ``RLOOConfig`` for the hyperparameters of ``spec`` (``_hyper()`` plus ``steps`` and ``seed``)."""
+    import torch
+    from trl import RLOOConfig
+
+    from bench_trl import MATCH_OURS
+
+    return RLOOConfig(
+        output_dir=str(output_dir), num_generations=spec["k"], beta=spec["beta"], learning_rate=spec["lr"],
+        per_device_train_batch_size=spec["prompts"] * spec["k"], gradient_accumulation_steps=1, num_iterations=1,
+        max_completion_length=spec["max_new_tokens"], temperature=spec["temperature"], top_k=0, top_p=1.0,
+        gradient_checkpointing=False, use_cpu=True, bf16=False, use_vllm=False, logging_steps=1, report_to="none",
+        max_steps=spec["steps"], seed=spec["seed"], data_seed=spec["seed"], save_strategy="no",
+        model_init_kwargs={"dtype": torch.float32}, lr_scheduler_type="constant", warmup_steps=0, **MATCH_OURS)
+
+
 def run_b(spec_path: str, out_path: str) -> None:
     """TRL's RLOOTrainer with the same hyperparameters (as scripts/bench_trl.py, plus the snapshots)."""
     spec = read_spec(spec_path)
     set_threads(spec["threads"])
-    import torch
     from transformers import TrainerCallback
-    from trl import RLOOConfig, RLOOTrainer
+    from trl import RLOOTrainer
 
-    from bench_trl import MATCH_OURS, trl_dataset, trl_reward
+    from bench_trl import trl_dataset, trl_reward
     from rloo_lightning.models import load_tokenizer
 
     run_dir = Path(spec["run_dir"])
@@ -173,13 +188,7 @@ def run_b(spec_path: str, out_path: str) -> None:
             if logs and "reward" in logs:
                 rewards.append(logs["reward"])
 
-    config = RLOOConfig(
-        output_dir=str(run_dir / "trl"), num_generations=spec["k"], beta=spec["beta"], learning_rate=spec["lr"],
-        per_device_train_batch_size=spec["prompts"] * spec["k"], gradient_accumulation_steps=1, num_iterations=1,
-        max_completion_length=spec["max_new_tokens"], temperature=spec["temperature"], top_k=0, top_p=1.0,
-        gradient_checkpointing=False, use_cpu=True, bf16=False, use_vllm=False, logging_steps=1, report_to="none",
-        max_steps=spec["steps"], seed=spec["seed"], data_seed=spec["seed"], save_strategy="no",
-        model_init_kwargs={"dtype": torch.float32}, lr_scheduler_type="constant", warmup_steps=0, **MATCH_OURS)
+    config = trl_config(spec, run_dir / "trl")
     trainer = RLOOTrainer(model=spec["hf_dir"], reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tok, callbacks=[Snap()])
     trainer.train()

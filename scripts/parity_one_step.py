@@ -5,7 +5,7 @@ learning-parity hyperparameters): advantages, gradient and the AdamW step compar
 
 Ours: ``RLOOModule.sample`` / ``score`` / ``rollout_loss`` on a batch of the arithmetic task, then
 ``torch.optim.AdamW`` (lr 5e-6, torch's weight decay) as ``configs/smollm2_arithmetic.yaml`` builds it. TRL:
-an ``RLOOTrainer`` configured as ``scripts/learning_parity.py`` configures it; its "old" and reference
+an ``RLOOTrainer`` with ``scripts/learning_parity.py``'s ``trl_config``; its "old" and reference
 log-probs from its own ``_get_per_token_logps_and_entropies``, the reward KL and leave-one-out advantages as
 its ``_generate_and_score_completions`` forms them, its ``_compute_loss`` and backward, then its own optimizer
 (``create_optimizer``: HF's parameter groups). The rollout (tokens and task rewards) is ours, fed to both.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,10 +32,10 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from learning_parity import _hyper
-    from trl import RLOOConfig, RLOOTrainer
+    from learning_parity import _hyper, trl_config
+    from trl import RLOOTrainer
 
-    from bench_trl import MATCH_OURS, trl_reward
+    from bench_trl import trl_reward
     from rloo_lightning import RLOOModule
     from rloo_lightning.data import PromptDataModule
 
@@ -57,13 +58,8 @@ def main() -> None:
     loss.backward()
     g_ours = {n: p.grad.detach().clone() for n, p in ours.policy.named_parameters()}
 
-    spec = dict(h, hf_dir=args.hf_dir, seed=args.seed)
-    config = RLOOConfig(
-        output_dir="/tmp/parity_one_step_trl", num_generations=h["k"], beta=h["beta"], learning_rate=h["lr"],
-        per_device_train_batch_size=h["prompts"] * h["k"], gradient_accumulation_steps=1, num_iterations=1,
-        max_completion_length=h["max_new_tokens"], temperature=h["temperature"], top_k=0, top_p=1.0,
-        use_cpu=True, bf16=False, report_to="none", max_steps=1, seed=args.seed, save_strategy="no",
-        model_init_kwargs={"dtype": torch.float32}, lr_scheduler_type="constant", warmup_steps=0, **MATCH_OURS)
+    spec = dict(h, hf_dir=args.hf_dir, seed=args.seed, steps=1)
+    config = trl_config(spec, Path(tempfile.mkdtemp()) / "trl")
     from datasets import Dataset
 
     trainer = RLOOTrainer(model=args.hf_dir, reward_funcs=trl_reward(spec), args=config,
