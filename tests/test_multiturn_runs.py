@@ -74,13 +74,14 @@ def runs(tmp_path_factory, tiny_model_dir, _cache_dir):
         args = _args(root / name, tiny_model_dir, 3, "--model.environment.init_args", turns.replace("{}", name),
                      *_recorder(root / name / "rollouts.jsonl"), *extra, config=config)
         distributed[name] = start_cli(name, args, root / name, env, timeout=TIMEOUT)
-    wait_all(a, *distributed.values())
-    a.check()
-    ckpt = sorted((root / "a" / "ckpt").glob(f"epoch=*-step={RESUME_AT}.ckpt"))
-    assert len(ckpt) == 1
+    a.wait()  # the resume starts once its source run is done, beside the distributed runs
+    ckpt = sorted((root / "a" / "ckpt").glob(f"epoch=*-step={RESUME_AT}.ckpt")) if a.rc == 0 else []
     b = start_cli("b", _args(root / "b", str(tool_model), STEPS, "--ckpt_path", str(ckpt[0]),
                              *_every_step(root / "b" / "ckpt"), *_recorder(root / "b" / "rollouts.jsonl"), env=TOOLS),
-                  root / "b", env, timeout=TIMEOUT).wait()
+                  root / "b", env, timeout=TIMEOUT) if len(ckpt) == 1 else None
+    wait_all(*distributed.values(), *([b] if b else []))
+    a.check()
+    assert len(ckpt) == 1
     return {"root": root, "a": a, "b": b, **distributed}
 
 
