@@ -25,7 +25,6 @@ import argparse
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -48,19 +47,6 @@ def held_out(n: int) -> list[dict]:
     return rows[:n]
 
 
-_OPS = [(re.compile(r"has (\d+) .* and gets (\d+) more"), "+"), (re.compile(r"has (\d+) .* gives away (\d+)"), "-"),
-        (re.compile(r"buys (\d+) bags with (\d+) "), "*")]
-
-
-def expression(prompt: str) -> str:
-    """The arithmetic of an arithmetic-task prompt, e.g. ``"8 - 5"``."""
-    for pattern, op in _OPS:
-        m = pattern.search(prompt)
-        if m:
-            return f"{m.group(1)} {op} {m.group(2)}"
-    raise ValueError(f"not an arithmetic-task prompt: {prompt!r}")
-
-
 def warm_start(hf_dir: str, out: Path, steps: int, batch: int, lr: float, call_fraction: float, seed: int) -> dict:
     """Supervised warm start on the call format: the config's prompt (tool schema and system prompt), then either
     a calculator call, its result as the tool message and the number (``call_fraction`` of the transcripts), or
@@ -76,7 +62,7 @@ def warm_start(hf_dir: str, out: Path, steps: int, batch: int, lr: float, call_f
     from rloo_lightning.data.encode import PromptEncoder
     from rloo_lightning.environments.tools import calculator, tool_schemas
     from rloo_lightning.multiturn import Message, TurnFormat
-    from rloo_lightning.tasks.arithmetic import make_rows
+    from rloo_lightning.tasks.arithmetic import expression, make_rows
     from rloo_lightning.tasks.base import segments_nll
 
     data = yaml.safe_load(CONFIG.read_text())["data"]

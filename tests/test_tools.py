@@ -86,6 +86,20 @@ def test_the_calculator_evaluates_arithmetic_and_nothing_else():
             calculator(bad)
 
 
+def test_the_arithmetic_tasks_expression_is_what_the_calculator_answers():
+    """The tool-use warm start's calls: every template's prompts parse, and the call computes the row's answer."""
+    from rloo_lightning.tasks.arithmetic import TEMPLATES, expression, make_rows
+
+    rows = make_rows(300, 5)
+    assert {expression(r["prompt"]).split()[1] for r in rows} == {symbol for _, symbol in TEMPLATES}
+    for row in rows:
+        assert calculator(expression(row["prompt"])) == row["answer"], row
+    for other in ("Mia has 7 pencils and gets 5 more. How many apples does Mia have now? Answer with just the number.",
+                  "Mia has 7 pencils and gets 5 more. How many pencils does Mia have now?", "What is 2 + 2?"):
+        with pytest.raises(ValueError, match="not an arithmetic-task prompt"):
+            expression(other)
+
+
 def test_tools_need_types_and_docstrings_and_unique_names():
     with pytest.raises(ValueError, match="tool 'untyped': its schema needs a type hint"):
         tool_schemas(["tool_helpers.untyped"])

@@ -60,6 +60,24 @@ class Task:
         return final
 
 
+def warm_start(model, steps: int, lr: float, seed: int, batch_loss: Callable[[], torch.Tensor]) -> None:
+    """A tiny model's supervised warm start: ``steps`` AdamW updates at ``lr``, each on a fresh ``batch_loss()``.
+
+    Torch's RNG is seeded with ``seed`` inside and restored after, so that building a task's model neither
+    depends on nor moves the caller's random state. The model is left in eval mode.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        model.train()
+        for _ in range(steps):
+            loss = batch_loss()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    model.eval()
+
+
 def segments_nll(model, pad: int, transcripts: list[list[tuple[list[int], bool]]]) -> torch.Tensor:
     """Mean NLL of the trained segments of each transcript, given everything before them (for warm starts).
 

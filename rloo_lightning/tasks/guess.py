@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from rloo_lightning.tasks.base import Task, segments_nll
+from rloo_lightning.tasks.base import Task, segments_nll, warm_start
 from rloo_lightning.tiny_models import build_char_tokenizer, build_tiny_llama
 
 LETTERS = "ab"
@@ -70,25 +70,21 @@ def build_tiny_model(directory: Path) -> None:
     rng = random.Random(WARM_START_SEED)
     eos = tok.eos_token_id
     ids_of = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(WARM_START_SEED)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # 3e-3 never learns to copy the first guess
-        model.train()
-        for _ in range(WARM_START_STEPS):
-            pieces = []  # (ids, trained) segments of each transcript: only the guesses are trained on
-            for row in make_rows(64, rng.randrange(2**31)):
-                n = len(row["secret"])
-                first = "".join(rng.choice(LETTERS) for _ in range(n))
-                # The second guess edits the first: each letter flipped with probability FLIP, whatever the reply.
-                second = "".join(_flip(ch) if rng.random() < FLIP else ch for ch in first)
-                reply = marks(first, row["secret"]) if rng.random() < 0.5 else "?" * n
-                pieces.append([(ids_of(row["prompt"]), False), (ids_of(first) + [eos], True),
-                               (ids_of(REPLY_FORMAT.format(content=reply)), False), (ids_of(second) + [eos], True)])
-            loss = segments_nll(model, tok.pad_token_id, pieces)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    model.eval()
+
+    def batch_loss() -> torch.Tensor:
+        pieces = []  # (ids, trained) segments of each transcript: only the guesses are trained on
+        for row in make_rows(64, rng.randrange(2**31)):
+            n = len(row["secret"])
+            first = "".join(rng.choice(LETTERS) for _ in range(n))
+            # The second guess edits the first: each letter flipped with probability FLIP, whatever the reply.
+            second = "".join(_flip(ch) if rng.random() < FLIP else ch for ch in first)
+            reply = marks(first, row["secret"]) if rng.random() < 0.5 else "?" * n
+            pieces.append([(ids_of(row["prompt"]), False), (ids_of(first) + [eos], True),
+                           (ids_of(REPLY_FORMAT.format(content=reply)), False), (ids_of(second) + [eos], True)])
+        return segments_nll(model, tok.pad_token_id, pieces)
+
+    # lr 1e-3: at 3e-3 the model never learns to copy the first guess
+    warm_start(model, WARM_START_STEPS, lr=1e-3, seed=WARM_START_SEED, batch_loss=batch_loss)
     model.save_pretrained(directory)
     tok.save_pretrained(directory)
 

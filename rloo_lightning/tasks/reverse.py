@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rloo_lightning.tasks.base import Task
+from rloo_lightning.tasks.base import Task, segments_nll, warm_start
 from rloo_lightning.tiny_models import build_char_tokenizer, build_tiny_llama
 
 ALPHABET = "abcdefgh"
@@ -73,39 +73,19 @@ def build_tiny_model(directory: Path) -> None:
     model = build_tiny_llama(tok, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=32,
                              seed=WARM_START_SEED)
     rng = random.Random(WARM_START_SEED)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(WARM_START_SEED)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        model.train()
-        for _ in range(WARM_START_STEPS):
-            texts = []
-            for row in make_rows(64, rng.randrange(2**31)):
-                letters = list(row["answer"])
-                rng.shuffle(letters)
-                texts.append((row["prompt"], "".join(letters)))
-            loss = _completion_nll(model, tok, texts)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    model.eval()
+    ids_of = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+
+    def batch_loss() -> torch.Tensor:  # the NLL of "shuffled answer + EOS" given the prompt
+        pieces = []
+        for row in make_rows(64, rng.randrange(2**31)):
+            letters = list(row["answer"])
+            rng.shuffle(letters)
+            pieces.append([(ids_of(row["prompt"]), False), (ids_of("".join(letters)) + [tok.eos_token_id], True)])
+        return segments_nll(model, tok.pad_token_id, pieces)
+
+    warm_start(model, WARM_START_STEPS, lr=3e-3, seed=WARM_START_SEED, batch_loss=batch_loss)
     model.save_pretrained(directory)
     tok.save_pretrained(directory)
-
-
-def _completion_nll(model, tok, pairs: list[tuple[str, str]]) -> torch.Tensor:
-    """Mean NLL of ``completion + EOS`` given the prompt (prompt tokens are not trained on)."""
-    prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p, _ in pairs]
-    full_ids = [pi + tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-                for pi, (_, c) in zip(prompt_ids, pairs)]
-    width = max(map(len, full_ids))
-    ids = torch.full((len(pairs), width), tok.pad_token_id)
-    labels = torch.full((len(pairs), width), -100)
-    attn = torch.zeros((len(pairs), width), dtype=torch.long)
-    for i, (pi, fi) in enumerate(zip(prompt_ids, full_ids)):
-        ids[i, : len(fi)] = torch.tensor(fi)
-        labels[i, len(pi) : len(fi)] = torch.tensor(fi[len(pi) :])
-        attn[i, : len(fi)] = 1
-    return model(input_ids=ids, attention_mask=attn, labels=labels).loss
 
 
 TASK = Task(name="reverse", make_rows=make_rows, reward=reward, build_tiny_model=build_tiny_model, version=1)
