@@ -9,7 +9,9 @@ Also prints ``fit_wall_s``, the wall time of the whole ``fit`` (start-up and mod
 against the recorded file (0.0 everywhere = bit-identical trajectories). Prints JSON.
 
 ``--markdown`` prints, instead of the JSON, the README's quickstart table (:func:`markdown_table`: every
-validation, rounded to 3 decimals, under a line naming this script and the package version); the wall time,
+validation, rounded to 3 decimals, under a line naming this script, the package version and the CPU's kind
+(vendor and torch kernel family, :func:`cpu_kind`), since only a CPU of the same kind reproduces a trajectory bit
+for bit); the wall time,
 which is not deterministic, goes to stderr. ``tests/test_readme_figures.py`` checks that README.md holds it verbatim.
 
 ``--max-steps N`` runs only the first N steps, with the full run's warm-up steps (the default schedule's warm-up is
@@ -64,13 +66,33 @@ def _prefix_args(max_steps: int) -> list[str]:
     return ["--trainer.max_steps", str(max_steps), "--model.update.warmup_ratio", str((warmup + 0.5) / max_steps)]
 
 
-def markdown_table(curves: dict[str, list[list[float]]], version: str) -> str:
-    """The README's quickstart table: a row per validation step, the ``VAL_TAGS`` in ``curves`` to 3 decimals."""
+def cpu_kind() -> str:
+    """The CPU's vendor and the kernel family torch dispatches to on it, e.g. ``AuthenticAMD AVX2``. A sampled
+    trajectory is reproduced bit for bit on a CPU of the same kind; elsewhere the kernels (torch's own, and the
+    BLAS's, which picks its code path by vendor too) round differently and the trajectory diverges from the first
+    sample that differs. Forcing the family alone (``ATEN_CPU_CAPABILITY=avx2`` on an Intel CPU) does not
+    reproduce an AMD CPU's trajectory."""
+    import platform
+
+    import torch
+
+    vendor = platform.processor() or "unknown"
+    try:
+        vendor = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("vendor_id"))
+    except (OSError, StopIteration):
+        pass
+    return f"{vendor} {torch.backends.cpu.get_cpu_capability()}"
+
+
+def markdown_table(curves: dict[str, list[list[float]]], version: str, cpu: str) -> str:
+    """The README's quickstart table: a row per validation step, the ``VAL_TAGS`` in ``curves`` to 3 decimals,
+    under a line naming the version and the :func:`cpu_kind` that produced it."""
     tags = [t for t in VAL_TAGS if t in curves]
     steps = [int(s) for s, _ in curves[tags[0]]]
     values = {t: {int(s): v for s, v in curves[t]} for t in tags}
     lines = [f"Produced by `python scripts/quickstart_trajectory.py --markdown` at rloo_lightning {version} "
-             "(seed 0, fresh model cache, an x86-64 CPU):",
+             f"(seed 0, fresh model cache, an x86-64 CPU: {cpu}):",
              "",
              "| step | " + " | ".join(f"`{t}`" for t in tags) + " |",
              "|---" * (len(tags) + 1) + "|"]
@@ -92,14 +114,19 @@ def main() -> None:
         from rloo_lightning import __version__
 
         print(f"fit_wall_s: {wall:.1f}", file=sys.stderr)
-        print(markdown_table(curves, __version__))
+        print(markdown_table(curves, __version__, cpu_kind()))
     report: dict = {"val/reward": curves["val/reward"], "fit_wall_s": round(wall, 1)}
     if args.out:
-        args.out.write_text(json.dumps(curves, indent=1) + "\n")
+        args.out.write_text(json.dumps({"cpu": cpu_kind(), **curves}, indent=1) + "\n")
     if args.compare:
         recorded = json.loads(args.compare.read_text())
         diffs = {}
+        if recorded.get("cpu") not in (None, cpu_kind()):
+            report["note"] = (f"recorded on a {recorded['cpu']} CPU, run on a {cpu_kind()}: differences from "
+                              "rounding are expected")
         for tag, points in recorded.items():
+            if tag == "cpu":
+                continue
             now = dict((s, v) for s, v in curves.get(tag, []))
             then = dict((s, v) for s, v in points)
             if set(now) != set(then):

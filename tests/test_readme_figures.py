@@ -5,7 +5,10 @@
 * slow: the script re-runs the quickstart's first 100 steps with the full run's warm-up (so they are the full
   run's), with the tiny model this session's cache built (the builder at this version, as a fresh cache would
   have it); its ``--markdown`` output, the table's rows before training and after 100 steps, must appear in
-  README.md verbatim.
+  README.md verbatim. Only on a CPU of the baseline's kind (``cpu``: vendor and torch kernel family, e.g.
+  ``AuthenticAMD AVX2``): another kind rounds differently, and a sampled trajectory diverges from the first
+  differing sample. There the run must still learn as the baseline did: its ``val/reward`` after 100 steps at least
+  0.15 above its own before training (the baseline: 0.290 to 0.553).
   It fails when a change moves the trajectory or the version: re-run the script (without ``--max-steps``), paste
   its output into the README, and re-record the baseline with ``--out docs/quickstart_trajectory.json``;
   ``--compare docs/quickstart_trajectory.json`` checks all 400 steps against the baseline.
@@ -53,7 +56,8 @@ def _assert_in_readme(expected: str, source: str) -> None:
 
 
 def test_readme_table_matches_recorded_baseline():
-    table = _script_module().markdown_table(json.loads(BASELINE.read_text()), rloo_lightning.__version__)
+    baseline = json.loads(BASELINE.read_text())
+    table = _script_module().markdown_table(baseline, rloo_lightning.__version__, baseline["cpu"])
     assert table.count("\n| ") >= 3  # header and at least the validations before and after training
     _assert_in_readme(table, f"{BASELINE.relative_to(REPO)} at rloo_lightning {rloo_lightning.__version__}")
 
@@ -67,4 +71,12 @@ def test_readme_table_matches_a_fresh_quickstart_run(tmp_path, _cache_dir):
                         env=make_env(OMP_NUM_THREADS=None), timeout=900).check()
     table = proc.stdout.strip()
     assert "\n| 0 | " in table and "\n| 99 | " in table, table  # validations before training and after 100 steps
-    _assert_in_readme(table, "`python scripts/quickstart_trajectory.py --markdown --max-steps 100` run now")
+    recorded = json.loads(BASELINE.read_text())["cpu"]
+    if _script_module().cpu_kind() == recorded:
+        _assert_in_readme(table, "`python scripts/quickstart_trajectory.py --markdown --max-steps 100` run now")
+        return
+    rows = {line.split("|")[1].strip(): [float(v) for v in line.split("|")[2:-1]]
+            for line in table.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
+    before, after = rows["0"][0], rows["99"][0]  # val/reward
+    assert after - before >= 0.15, (f"on a {_script_module().cpu_kind()} CPU (the README's: "
+                                    f"{recorded}), val/reward went {before} -> {after} in 100 steps:\n{table}")
