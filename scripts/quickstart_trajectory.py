@@ -11,8 +11,8 @@ against the recorded file (0.0 everywhere = bit-identical trajectories). Prints 
 ``--markdown`` prints, instead of the JSON, the README's quickstart table (:func:`markdown_table`: every
 validation, rounded to 3 decimals, under a line naming this script, the package version and the CPU's kind
 (vendor and torch kernel family, :func:`cpu_kind`), since only a CPU of the same kind reproduces a trajectory bit
-for bit); the wall time,
-which is not deterministic, goes to stderr. ``tests/test_readme_figures.py`` checks that README.md holds it verbatim.
+for bit); the wall time, which is not deterministic, goes to stderr. ``tests/test_readme_figures.py`` checks
+that README.md holds it verbatim.
 
 ``--max-steps N`` runs only the first N steps, with the full run's warm-up steps (the default schedule's warm-up is
 a fraction of ``max_steps``; after it the rate is constant), so the logged values up to step N are the full run's
@@ -69,9 +69,10 @@ def _prefix_args(max_steps: int) -> list[str]:
 def cpu_kind() -> str:
     """The CPU's vendor and the kernel family torch dispatches to on it, e.g. ``AuthenticAMD AVX2``. A sampled
     trajectory is reproduced bit for bit on a CPU of the same kind; elsewhere the kernels (torch's own, and the
-    BLAS's, which picks its code path by vendor too) round differently and the trajectory diverges from the first
-    sample that differs. Forcing the family alone (``ATEN_CPU_CAPABILITY=avx2`` on an Intel CPU) does not
-    reproduce an AMD CPU's trajectory."""
+    BLAS's, whose code paths and blocking depend on the CPU too) round differently and the trajectory diverges
+    from the first sample that differs. Forcing the family alone (``ATEN_CPU_CAPABILITY=avx2``,
+    ``MKL_ENABLE_INSTRUCTIONS=AVX2``, ``ONEDNN_MAX_CPU_ISA=AVX2`` on an Intel CPU) did not reproduce an AMD CPU's
+    trajectory."""
     import platform
 
     import torch
