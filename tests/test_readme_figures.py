@@ -8,7 +8,8 @@
   README.md verbatim. Only on a CPU of the baseline's kind (``cpu``: vendor and torch kernel family, e.g.
   ``AuthenticAMD AVX2``): another kind rounds differently, and a sampled trajectory diverges from the first
   differing sample. There the run must still learn as the baseline did: its ``val/reward`` after 100 steps at least
-  0.15 above its own before training (the baseline: 0.290 to 0.553).
+  0.15 above its own before training (the baseline: 0.290 to 0.553; five seeds,
+  ``docs/quickstart_seeds.json``: +0.22 to +0.27; an Intel AVX512 CPU: +0.265).
   It fails when a change moves the trajectory or the version: re-run the script (without ``--max-steps``), paste
   its output into the README, and re-record the baseline with ``--out docs/quickstart_trajectory.json``;
   ``--compare docs/quickstart_trajectory.json`` checks all 400 steps against the baseline.
