@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import shutil
 import sys
 import tempfile
@@ -92,6 +91,7 @@ def main() -> None:
     from transformers import TrainerCallback
     from trl import RLOOTrainer
 
+    from bench_common import emit_json
     from bench_trl import trl_dataset, trl_reward
     from rloo_lightning import RLOOModule
     from rloo_lightning.cli import main as cli_main
@@ -160,10 +160,7 @@ def main() -> None:
     out = {"steps": steps, "rollout_rows": [int(r.completion_mask.shape[0]) for r in rollouts],
            "completion_tokens": [int(r.completion_mask.sum()) for r in rollouts],
            "task_reward_mean": [round(r.rewards.float().mean().item(), 4) for r in rollouts]}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit_json(out, args.out)
 
 
 if __name__ == "__main__":
