@@ -64,6 +64,7 @@ def warm_start(hf_dir: str, out: Path, steps: int, batch: int, lr: float, call_f
     from rloo_lightning.multiturn import Message, TurnFormat
     from rloo_lightning.tasks.arithmetic import expression, make_rows
     from rloo_lightning.tasks.base import segments_nll
+    from rloo_lightning.tasks.base import warm_start as train_supervised
 
     data = yaml.safe_load(CONFIG.read_text())["data"]
     tok = AutoTokenizer.from_pretrained(hf_dir)
@@ -75,12 +76,9 @@ def warm_start(hf_dir: str, out: Path, steps: int, batch: int, lr: float, call_f
     ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     rng = random.Random(seed)
     rows = make_rows(2000, 0)
-    torch.manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
     losses = []
-    start = time.perf_counter()
-    for step in range(steps):
+
+    def batch_loss() -> torch.Tensor:
         pieces = []
         for row in rng.sample(rows, batch):
             prompt = ids(encoder.format_prompt(row["prompt"], "warm start")[0])
@@ -93,12 +91,12 @@ def warm_start(hf_dir: str, out: Path, steps: int, batch: int, lr: float, call_f
             else:
                 pieces.append([(prompt, False), answer])
         loss = segments_nll(model, tok.pad_token_id if tok.pad_token_id is not None else eos, pieces)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
         losses.append(round(loss.item(), 4))
-        print(f"warm start step {step}: loss {losses[-1]}", file=sys.stderr, flush=True)
-    model.eval()
+        print(f"warm start step {len(losses) - 1}: loss {losses[-1]}", file=sys.stderr, flush=True)
+        return loss
+
+    start = time.perf_counter()
+    train_supervised(model, steps, lr=lr, seed=seed, batch_loss=batch_loss)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return {"steps": steps, "batch": batch, "lr": lr, "call_fraction": call_fraction, "seed": seed,
