@@ -55,7 +55,7 @@ def first_token_fit(module, batch, engines: dict, draws: int, chunk: int = 256) 
     probs = torch.softmax(logits / temperature, -1)
     one = sampling_config(max_new_tokens=1, eos_token_ids=module.generation_config.eos_token_id,
                           pad_token_id=module.generation_config.pad_token_id, temperature=temperature)
-    saved = module.generation_config
+    saved = module.generation_config, module.engine
     out: dict = {"draws_per_prompt": draws, "temperature": temperature, "engines": {}}
     gen = torch.Generator().manual_seed(0)
     tv_exact = [sum(0.5 * (torch.bincount(torch.multinomial(p, draws, True, generator=gen), minlength=len(p)) / draws
@@ -75,7 +75,7 @@ def first_token_fit(module, batch, engines: dict, draws: int, chunk: int = 256) 
                 {**chi_square(counts[i], probs[i]), "tv": round(tv[i], 4), "tv_of_exact_draws": round(tv_exact[i], 4),
                  "top_p": round(probs[i].max().item(), 4)} for i in range(len(ids))]
     finally:
-        module.generation_config = saved
+        module.generation_config, module.engine = saved
     return out
 
 
