@@ -166,6 +166,12 @@ def mask_width(mask: Tensor) -> int:
     return int(covered.max()) + 1 if covered.numel() else 1
 
 
+def mask_positions(mask: Tensor) -> Tensor:
+    """Position ids ``[B, L]`` for an attention mask ``[B, L]``: the real tokens of a row count 0, 1, 2, ...
+    whatever padding precedes them (left padding does not shift a prompt), and padding itself takes 0."""
+    return (mask.long().cumsum(1) - 1).clamp(min=0)
+
+
 def completion_logits(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                       completion_mask: Tensor, group_size: int = 1) -> Tensor:
     """Logits ``[b, T', V]`` predicting each completion token, prompt and completion in one forward.
@@ -195,8 +201,7 @@ def completion_logits(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: T
             return logits
     ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attn = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
-    position_ids = (attn.cumsum(1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=False,
+    out = model(input_ids=ids, attention_mask=attn, position_ids=mask_positions(attn), use_cache=False,
                 logits_to_keep=width + 1)
     return out.logits[:, :-1]
 
@@ -261,7 +266,7 @@ def prefill_groups(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tens
     that can be repeated. Positions come from the attention mask (left padding does not shift them).
     """
     ids, mask = prompt_ids[::k], prompt_mask[::k]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.long().cumsum(1) - 1).clamp(min=0),
+    out = model(input_ids=ids, attention_mask=mask, position_ids=mask_positions(mask),
                 use_cache=True, logits_to_keep=1)
     cache = returned_cache(out)
     if cache is None or not hasattr(cache, "batch_repeat_interleave"):

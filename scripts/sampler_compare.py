@@ -45,12 +45,13 @@ def first_token_fit(module, batch, engines: dict, draws: int, chunk: int = 256) 
     """N first tokens per prompt from each engine against the exact tempered softmax (see the docstring)."""
     import torch
 
+    from rloo_lightning.logprobs import mask_positions
     from rloo_lightning.rollout import sampling_config
 
     temperature = module.generation_config.temperature
     ids, mask = batch["input_ids"], batch["attention_mask"]
     with torch.no_grad():
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as the engines place a left-padded prompt
+        positions = mask_positions(mask)  # as the engines place a left-padded prompt
         logits = module.policy(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float()
     probs = torch.softmax(logits / temperature, -1)
     one = sampling_config(max_new_tokens=1, eos_token_ids=module.generation_config.eos_token_id,

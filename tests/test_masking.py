@@ -427,3 +427,11 @@ def test_pad_eos_sampled_rollout_keeps_the_eos(module_pad_eos):
             assert tok.eos_token not in r.completions[i]
         else:
             assert mask[i].sum() == ids.shape[1]
+
+
+def test_mask_positions_count_real_tokens_from_zero_whatever_the_padding():
+    from rloo_lightning.logprobs import mask_positions
+
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    assert mask_positions(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 1, 2, 2, 2], [0, 0, 0, 0, 0]]
+    assert mask_positions(mask.long()).dtype == torch.long

@@ -21,6 +21,8 @@ from typing import Literal
 
 import torch
 
+from rloo_lightning.logprobs import mask_positions
+
 __all__ = ["RewardModel"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -197,7 +199,7 @@ class RewardModel:
         kwargs = dict(self._forward_kwargs)
         if self._position_ids:
             # Positions count real tokens only, so left padding does not shift them.
-            kwargs["position_ids"] = (attn.cumsum(1) - 1).clamp(min=0)
+            kwargs["position_ids"] = mask_positions(attn)
         captured = []
         handle = self._head.register_forward_hook(lambda module, args, output: captured.append(output))
         try:
