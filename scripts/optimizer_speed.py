@@ -66,11 +66,10 @@ def main() -> None:
         for _ in range(args.steps):
             opt.step()
         finals[kind] = copies
+    change = max(float((b - p).abs().max()) for b, p in zip(finals["loop"], params))  # the loop's largest move
     agreement = {}
     for kind in ("foreach", "fused"):
         abs_diff = max(float((a - b).abs().max()) for a, b in zip(finals[kind], finals["loop"]))
-        delta = [b - p for b, p in zip(finals["loop"], params)]
-        change = max(float(d.abs().max()) for d in delta)
         agreement[kind] = {"max_abs_diff_vs_loop": abs_diff, "max_abs_change_loop": change,
                            "diff_over_change": abs_diff / change if change else None}
     del finals

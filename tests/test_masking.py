@@ -15,7 +15,7 @@ import torch
 from rloo_lightning.data import collate_prompts
 from rloo_lightning.module import RLOOModule
 from rloo_lightning import logprobs
-from rloo_lightning.logprobs import completion_mask, token_logprobs
+from rloo_lightning.logprobs import completion_mask, mask_positions, token_logprobs
 from rloo_lightning.losses import aggregate_token_loss
 from rloo_lightning.rollout import HFGenerateEngine, Rollout
 
@@ -430,8 +430,6 @@ def test_pad_eos_sampled_rollout_keeps_the_eos(module_pad_eos):
 
 
 def test_mask_positions_count_real_tokens_from_zero_whatever_the_padding():
-    from rloo_lightning.logprobs import mask_positions
-
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
     assert mask_positions(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 1, 2, 2, 2], [0, 0, 0, 0, 0]]
     assert mask_positions(mask.long()).dtype == torch.long
