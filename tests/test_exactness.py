@@ -197,7 +197,7 @@ BUGS = {
     "logits shifted by one": [(logprobs_py, "completion_logits", lambda f: _mutated(
         f, ("return out.logits[:, :-1]", "return out.logits[:, 1:]")))],
     "position ids dropped": [(logprobs_py, "completion_logits", lambda f: _mutated(
-        f, ("position_ids=position_ids", "position_ids=None")))],
+        f, ("position_ids=mask_positions(attn)", "position_ids=None")))],
     "token mean instead of sequence sum": [(losses_py.PolicyLoss, "__call__", lambda f: _mutated(
         f, ("loss = aggregate_token_loss(per_token, mask, self.aggregation,",
             "loss = aggregate_token_loss(per_token, mask, 'token_mean',")))],
