@@ -35,16 +35,16 @@ def _save_step(model, path: Path) -> None:
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, path)
 
 
-def _compare_deltas(ours_path: Path, model) -> dict:
-    """Weight change since the start, ours (``ours_path``) against TRL's ``model``: norms, relative
-    difference and cosine, accumulated per tensor in float64."""
+def _compare_deltas(ours_path: Path, model, init: dict) -> dict:
+    """Weight change since the start (``init``: name -> tensor), ours (``ours_path``) against TRL's ``model``:
+    norms, relative difference and cosine, accumulated per tensor in float64."""
     import torch
 
     ours = torch.load(ours_path)
     aa = bb = ab = dd = 0.0
     for n, p in model.named_parameters():
-        init = STATE["init"][n].double()
-        a, b = ours[n].double() - init, p.detach().double() - init
+        init_n = init[n].double()
+        a, b = ours[n].double() - init_n, p.detach().double() - init_n
         aa, bb, ab, dd = aa + a.square().sum().item(), bb + b.square().sum().item(), ab + (a * b).sum().item(), \
             dd + (a - b).square().sum().item()
     return {"delta_norm_ours": aa ** 0.5, "delta_norm_trl": bb ** 0.5, "rel_diff": (dd / bb) ** 0.5,
@@ -142,7 +142,7 @@ def main() -> None:
 
     class Record(TrainerCallback):
         def on_step_end(self, args_, state, control, model=None, **kwargs):
-            STATE["trl"].append(_compare_deltas(STATE["work"] / f"ours_step{state.global_step}.pt", model))
+            STATE["trl"].append(_compare_deltas(STATE["work"] / f"ours_step{state.global_step}.pt", model, STATE["init"]))
 
         def on_log(self, args_, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
