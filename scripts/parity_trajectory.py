@@ -142,6 +142,7 @@ def main() -> None:
 
     def generate(prompts):
         r = rollouts[len(STATE["samples"])]
+        trainer = current["trainer"]  # TRL's, built below
         model = trainer.accelerator.unwrap_model(trainer.model)
         with torch.no_grad():
             ids = engine.generate(model, tokenizer, r["prompt_ids"], r["prompt_mask"], config, r["seed"])
@@ -185,9 +186,10 @@ def main() -> None:
                           train_dataset=trl_dataset(spec, tokenizer), processing_class=tokenizer, callbacks=[Record()])
     trainer._generate = generate
     trainer._calculate_rewards = lambda inputs, prompts, completions, ids: current["rewards"][:, None]
+    current["trainer"] = trainer
     trainer.train()
     trl_s = time.perf_counter() - t0
-    del trainer
+    del trainer, current["trainer"]
 
     steps = []
     for i, (r, sample) in enumerate(zip(rollouts, STATE["samples"])):

@@ -48,3 +48,30 @@ def test_summary_counts_only_the_kept_prompts():
     assert [c["accuracy"] for c in a["curve"]] == [pytest.approx(1 / 3, abs=1e-4), 0.0, 1.0]
     assert kept["difference_a_minus_b"]["mean"] == pytest.approx(1 / 3, abs=1e-4)
     assert kept["systems"]["a"]["improvement_over_step0"]["mean"] == pytest.approx(2 / 3, abs=1e-4)
+
+
+def test_t_quantile_matches_the_tables():
+    # two-sided 95 % points of Student's t (any statistics table)
+    for df, t in [(1, 12.706), (5, 2.571), (10, 2.228), (30, 2.042), (1000, 1.962)]:
+        assert lp._t_quantile(0.975, df) == pytest.approx(t, abs=1e-3)
+
+
+def test_run_level_interval_and_per_step_difference():
+    start = {"correct": [0, 0, 0, 0]}
+    finals_a = [[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]]  # final accuracies 0.5, 0.75, 0.25
+    finals_b = [[1, 1, 1, 1], [1, 1, 1, 0]]  # 1.0, 0.75
+    runs = {f"a_seed{i}": _run("a", i, f) for i, f in enumerate(finals_a)}
+    runs.update({f"b_seed{i}": _run("b", i, f) for i, f in enumerate(finals_b)})
+    out = lp.summarize(runs, start, [0, 1, 2, 3])
+    w = out["difference_by_run"]
+    # mean 0.5 - 0.875; variances 0.0625 and 0.03125 over 3 and 2 runs
+    va, vb = 0.0625 / 3, 0.03125 / 2
+    assert w["mean"] == pytest.approx(-0.375, abs=1e-4)
+    assert w["se"] == pytest.approx((va + vb) ** 0.5, abs=1e-4)
+    assert w["df"] == pytest.approx((va + vb) ** 2 / (va ** 2 / 2 + vb ** 2 / 1), abs=0.05)
+    half = lp._t_quantile(0.975, (va + vb) ** 2 / (va ** 2 / 2 + vb ** 2 / 1)) * (va + vb) ** 0.5
+    assert w["ci95"] == [pytest.approx(-0.375 - half, abs=1e-4), pytest.approx(-0.375 + half, abs=1e-4)]
+    assert [d["step"] for d in out["difference_by_step"]] == [0, 10, 20]
+    assert [d["mean"] for d in out["difference_by_step"]] == [0.0, 0.0, pytest.approx(-0.375, abs=1e-4)]
+    one_each = lp.summarize({"a_seed0": runs["a_seed0"], "b_seed0": runs["b_seed0"]}, start, [0, 1, 2, 3])
+    assert "difference_by_run" not in one_each  # one run a side has no spread to estimate
