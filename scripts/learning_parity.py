@@ -224,6 +224,13 @@ def held_out_indices(rows: list[dict], train_seeds: list[int], num_train_rows: i
     return [i for i, r in enumerate(rows) if r["prompt"] not in seen]
 
 
+def scored_prompts(eval_rows: int, held_out_seeds: list[int], seeds: list[int], hyper: dict) -> tuple[list, list]:
+    """The held-out rows a record is scored on (none in ``held_out_seeds``' training rows) and the indices of
+    those that count (in no training rows of ``seeds``)."""
+    rows = held_out_rows(eval_rows, held_out_seeds, hyper["num_train_rows"], hyper["task"])
+    return rows, held_out_indices(rows, seeds, hyper["num_train_rows"], hyper["task"])
+
+
 def run_score(spec_path: str, out_path: str) -> None:
     """Greedy completions of the held-out prompts for each snapshot (None: the model as loaded)."""
     spec = read_spec(spec_path)
@@ -461,11 +468,9 @@ def resummarize(path: str, eval_rows: int) -> None:
     """Recompute the summary of a finished record from the scores it holds, on the same held-out prompts."""
     record = json.loads(Path(path).read_text())
     hyper = record["hyperparameters"]
-    rows = held_out_rows(eval_rows, record.get("held_out_seeds", record["seeds"]), hyper["num_train_rows"],
-                         hyper["task"])
+    rows, keep = scored_prompts(eval_rows, record.get("held_out_seeds", record["seeds"]), record["seeds"], hyper)
     if len(rows) != len(record["step0"]["correct"]):
         raise SystemExit(f"{path} was scored on {len(record['step0']['correct'])} prompts; pass --eval-rows that")
-    keep = held_out_indices(rows, record["seeds"], hyper["num_train_rows"], hyper["task"])
     record["summary"] = summarize(record["runs"], record["step0"], keep)
     Path(path).write_text(json.dumps(record, indent=1))
     print(json.dumps({k: v for k, v in record["summary"].items() if k != "systems"}, indent=1))
@@ -514,8 +519,7 @@ def main() -> None:
     done = json.loads(Path(args.out).read_text()) if args.resume and Path(args.out).exists() else None
     # the scored prompts exclude these seeds' training rows: a resumed record's, so new runs score on its rows
     held_out_seeds = done.get("held_out_seeds", done["seeds"]) if done else args.seeds
-    rows = held_out_rows(args.eval_rows, held_out_seeds, hyper["num_train_rows"], hyper["task"])
-    keep = held_out_indices(rows, args.seeds, hyper["num_train_rows"], hyper["task"])
+    rows, keep = scored_prompts(args.eval_rows, held_out_seeds, args.seeds, hyper)
     score_spec = {"hf_dir": hf_dir, "rows": rows, "reward": hyper["reward"], "threads": args.threads,
                   "max_new_tokens": hyper["max_new_tokens"], "batch": args.eval_batch}
     record = {"hf_dir": hf_dir, "steps": args.steps, "seeds": args.seeds, "eval_steps": args.eval_steps,

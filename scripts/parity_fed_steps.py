@@ -35,6 +35,11 @@ def _save_step(model, path: Path) -> None:
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, path)
 
 
+def _rows(ids, mask) -> list[list[int]]:
+    """Each row's tokens where ``mask`` is set (a left-padded prompt's, a completion's up to its EOS)."""
+    return [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+
+
 def _compare_deltas(ours_path: Path, model, init: dict) -> dict:
     """Weight change since the start (``init``: name -> tensor), ours (``ours_path``) against TRL's ``model``:
     norms, relative difference and cosine, accumulated per tensor in float64."""
@@ -135,8 +140,7 @@ def main() -> None:
     def generate(prompts):
         r = next(feed)
         current["rewards"] = r.rewards.float()
-        prompt_ids = [row[m.bool()].tolist() for row, m in zip(r.prompt_ids, r.prompt_mask)]
-        completion_ids = [row[m.bool()].tolist() for row, m in zip(r.completion_ids, r.completion_mask)]
+        prompt_ids, completion_ids = _rows(r.prompt_ids, r.prompt_mask), _rows(r.completion_ids, r.completion_mask)
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         return prompt_ids, completion_ids, [[{"role": "assistant", "content": t}] for t in texts]
 

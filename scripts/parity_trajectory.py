@@ -39,17 +39,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 STATE: dict = {}  # the recorded rollouts, the initial weights, the per-step records (one process)
 
 
-def _rows(ids, mask) -> list[list[int]]:
-    return [row[m.bool()].tolist() for row, m in zip(ids, mask)]
-
-
 def _trajectory_callback():
-    from parity_fed_steps import _save_step
+    from parity_fed_steps import _rows, _save_step
 
     from rloo_lightning.callbacks import RolloutHook
 
     class Trajectory(RolloutHook):
-        """Records every rollout ours trains on (and its sampling seed); saves the weights at the compared steps."""
+        """Records the starting weights, every rollout ours trains on (and its sampling seed), and the weights at
+        the compared steps."""
+
+        def on_train_start(self, trainer, pl_module):
+            STATE["init"] = {n: p.detach().clone() for n, p in pl_module.policy.named_parameters()}
 
         def on_rollout_end(self, trainer, pl_module, rollout):
             STATE.setdefault("generation_config", copy.deepcopy(pl_module.generation_config))
@@ -95,7 +95,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from learning_parity import CONFIG, _child, _hyper, _prepare_gguf, held_out_rows, trl_config
-    from parity_fed_steps import _compare_deltas
+    from parity_fed_steps import _compare_deltas, _rows
     from transformers import TrainerCallback
     from trl import RLOOTrainer
 
@@ -103,6 +103,7 @@ def main() -> None:
     from bench_trl import trl_dataset, trl_reward
     from rloo_lightning.cli import main as cli_main
     from rloo_lightning.decode import DecodeLoopEngine
+    from rloo_lightning.logprobs import completion_mask
     from rloo_lightning.models import load_tokenizer
 
     workdir = Path(args.workdir).resolve()
@@ -111,11 +112,6 @@ def main() -> None:
     h = _hyper()
     work = Path(tempfile.mkdtemp(dir=workdir))
     STATE.update(rollouts=[], compare_steps=set(args.compare_steps), work=work, trl=[], trl_log=[], samples=[])
-    from transformers import AutoModelForCausalLM
-
-    init = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    STATE["init"] = {n: p.detach().clone() for n, p in init.named_parameters()}
-    del init
 
     # -- ours: the learning-parity run (scripts/learning_parity.py's run_a), its rollouts recorded -------------
     s = str(args.seed)
@@ -146,11 +142,8 @@ def main() -> None:
         model = trainer.accelerator.unwrap_model(trainer.model)
         with torch.no_grad():
             ids = engine.generate(model, tokenizer, r["prompt_ids"], r["prompt_mask"], config, r["seed"])
-        eos = set(config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id])
-        own = []
-        for row in ids.tolist():
-            end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-            own.append(row[:end])
+        eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+        own = _rows(ids, completion_mask(ids, eos))
         own_texts = tokenizer.batch_decode(own, skip_special_tokens=True)
         own_rewards = torch.tensor(reward(None, own_texts, own, answer=r["answer"]), dtype=torch.float32)
         equal = sum(a == b for a, b in zip(own, r["completions"]))
@@ -168,13 +161,13 @@ def main() -> None:
                 path = STATE["work"] / f"ours_step{state.global_step}.pt"
                 STATE["trl"].append({"step": state.global_step, **_compare_deltas(path, model, STATE["init"])})
                 if state.global_step == args.steps:
-                    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, work / "trl_final.pt")
-                    final = torch.load(path)
-                    full = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-                    first: dict = {}  # ours' final weights in TRL's state-dict layout, tied weights included
+                    trl_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+                    torch.save(trl_state, work / "trl_final.pt")
+                    final, first = torch.load(path), {}
+                    ours_state = dict(trl_state)  # ours' final weights in TRL's state-dict layout, tied ones included
                     for n, p in model.named_parameters(remove_duplicate=False):
-                        full[n] = final[first.setdefault(id(p), n)]
-                    torch.save(full, work / "ours_final.pt")
+                        ours_state[n] = final[first.setdefault(id(p), n)]
+                    torch.save(ours_state, work / "ours_final.pt")
                 path.unlink()
 
         def on_log(self, args_, state, control, logs=None, **kwargs):

@@ -41,7 +41,7 @@ def main() -> None:
 
     from bench_common import emit_json, train_rows
     from bench_trl import trl_dataset, trl_reward
-    from rloo_lightning.logprobs import mask_positions
+    from rloo_lightning.logprobs import completion_mask, mask_positions
     from rloo_lightning.models import load_tokenizer
 
     h = _hyper()
@@ -68,12 +68,8 @@ def main() -> None:
         logits = model(input_ids=out.sequences, attention_mask=attn, position_ids=mask_positions(attn)).logits
     scores = torch.stack(out.scores, dim=1).float()  # [B, T, V]: what generate sampled from
     exact = torch.log_softmax(logits[:, P - 1:-1].float() / h["temperature"], dim=-1)
-    eos = set(config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id])
-    live = torch.ones_like(completion, dtype=torch.bool)  # up to and including the first EOS
-    for b, row in enumerate(completion.tolist()):
-        end = next((i for i, t in enumerate(row) if t in eos), None)
-        if end is not None:
-            live[b, end + 1:] = False
+    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    live = completion_mask(completion, eos).bool()  # up to and including the first EOS
     diff = (torch.log_softmax(scores, dim=-1) - exact)[live]
     emit_json({
         "rows": completion.shape[0], "positions": int(live.sum()), "vocab": scores.shape[-1],
