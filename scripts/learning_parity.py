@@ -46,7 +46,10 @@ from bench_common import QUICKSTART, child_env, read_spec, reward_fn, set_thread
 
 ROOT = QUICKSTART.parents[1]
 CONFIG = ROOT / "configs" / "smollm2_arithmetic.yaml"
-SYSTEMS = {"a": "rloo_lightning", "b": "TRL RLOOTrainer"}
+SYSTEMS = {"a": "rloo_lightning", "b": "TRL RLOOTrainer", "h": "rloo_lightning, HF generate sampler"}
+# (h): ours with TRL's sampler, ``model.generate`` (torch.multinomial, every row prefilled) in place of our decode
+# loop; not one of the two systems compared, but the run that tells a sampler difference from chance.
+HF_SAMPLER = "{class_path: rloo_lightning.rollout.HFGenerateEngine, init_args: {share_prompt: false}}"
 HELD_OUT_SEED = 1000
 
 
@@ -125,8 +128,9 @@ def __getattr__(name: str):  # `learning_parity.OursSnapshots` as a callback cla
     raise AttributeError(name)
 
 
-def run_a(spec_path: str, out_path: str) -> None:
-    """Ours through its CLI: the shipped config, the local model, validation and checkpoints off."""
+def run_a(spec_path: str, out_path: str, system: str = "a") -> None:
+    """Ours through its CLI: the shipped config, the local model, validation and checkpoints off (system h: the
+    HF generate sampler)."""
     spec = read_spec(spec_path)
     set_threads(spec["threads"])
     from rloo_lightning.cli import main
@@ -139,11 +143,13 @@ def run_a(spec_path: str, out_path: str) -> None:
             "--seed_everything", s, "--model.sampling.seed", s, "--data.seed", s,
             "--trainer.default_root_dir", str(run_dir),
             "--trainer.callbacks+=learning_parity.OursSnapshots", f"--trainer.callbacks.spec={spec_path}"]
+    if system == "h":
+        args += ["--model.generation_engine", HF_SAMPLER]
     os.chdir(run_dir)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     main(args)
     result = json.loads((run_dir / "snapshots.json").read_text())
-    write_result(out_path, {"system": "a", **result, "args": args})
+    write_result(out_path, {"system": system, **result, "args": args})
 
 
 def trl_config(spec: dict, output_dir: Path):
@@ -381,7 +387,7 @@ def summarize(runs: dict, start: dict, keep: list[int]) -> dict:
         }
         imp = out["systems"][system]["improvement_over_step0"]
         out["systems"][system]["improves_significantly"] = imp["ci95"][0] > 0
-    if len(finals) == 2:
+    if "a" in finals and "b" in finals:
         a = [statistics.fmean(c) for c in zip(*finals["a"])]
         b = [statistics.fmean(c) for c in zip(*finals["b"])]
         diff = _interval([x - y for x, y in zip(a, b)])
@@ -394,6 +400,12 @@ def summarize(runs: dict, start: dict, keep: list[int]) -> dict:
             {"step": c["step"], "mean": round(statistics.fmean(r["curve"][j]["accuracy"] for r in runs_of["a"])
                                               - statistics.fmean(r["curve"][j]["accuracy"] for r in runs_of["b"]), 4)}
             for j, c in enumerate(runs_of["a"][0]["curve"])]
+    if "h" in finals:  # the sampler diagnostic, each run one observation
+        runs_h = [r["final_accuracy"] for r in out["systems"]["h"]["runs"]]
+        for other in ("a", "b"):
+            runs_o = [r["final_accuracy"] for r in out["systems"].get(other, {}).get("runs", [])]
+            if len(runs_h) > 1 and len(runs_o) > 1:
+                out[f"difference_h_minus_{other}_by_run"] = _welch(runs_h, runs_o)
     out["held_out_prompts"] = len(keep)
     return out
 
@@ -406,7 +418,7 @@ def plot(path: str) -> None:
 
     data = json.loads(Path(path).read_text())
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    colors = {"a": "tab:blue", "b": "tab:orange"}
+    colors = {"a": "tab:blue", "b": "tab:orange", "h": "tab:green"}
     for system, s in data["summary"]["systems"].items():
         for r in s["runs"]:
             steps = [c["step"] for c in r["curve"]]
@@ -456,6 +468,12 @@ def markdown(path: str) -> str:
         w = summary["difference_by_run"]
         lines.append(f"| the same, each run one observation (Welch, t = {w['t']:+.2f}, {w['df']:.1f} df) | "
                      f"{w['mean']:+.3f} | [{w['ci95'][0]:+.3f}, {w['ci95'][1]:+.3f}] | not stated in advance | – |")
+    for other in ("a", "b"):
+        if f"difference_h_minus_{other}_by_run" in summary:
+            w = summary[f"difference_h_minus_{other}_by_run"]
+            lines.append(f"| final accuracy, HF generate sampler minus {SYSTEMS[other]} (Welch, t = {w['t']:+.2f}, "
+                         f"{w['df']:.1f} df) | {w['mean']:+.3f} | [{w['ci95'][0]:+.3f}, {w['ci95'][1]:+.3f}] | "
+                         "a diagnostic | – |")
     if "difference_by_step" in summary:
         by_step = summary["difference_by_step"]
         lines += ["", "| mean over seeds, ours minus TRL | " + " | ".join(f"step {d['step']}" for d in by_step) + " |",
@@ -478,7 +496,7 @@ def resummarize(path: str, eval_rows: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--child", choices=["a", "b", "score"])
+    parser.add_argument("--child", choices=["a", "b", "h", "score"])
     parser.add_argument("--spec")
     parser.add_argument("--plot", help="a results JSON: write its plot beside it (.png)")
     parser.add_argument("--markdown", help="a results JSON: print its tables")
@@ -491,13 +509,15 @@ def main() -> None:
     parser.add_argument("--eval-steps", type=int, nargs="+", default=[10, 20, 30, 40, 50])
     parser.add_argument("--eval-rows", type=int, default=300)
     parser.add_argument("--eval-batch", type=int, default=100)
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="+", default=["a", "b"], choices=list(SYSTEMS),
+                        help="a: ours, b: TRL, h: ours with the HF generate sampler (a diagnostic)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs already in --out (and step 0's scores in --workdir); run the others")
     args = parser.parse_args()
     if args.child:
-        {"a": run_a, "b": run_b, "score": run_score}[args.child](args.spec, args.out)
+        {"a": run_a, "b": run_b, "h": lambda *a: run_a(*a, system="h"), "score": run_score}[args.child](
+            args.spec, args.out)
         return
     if args.plot:
         plot(args.plot)
