@@ -15,7 +15,7 @@ It returns the log-probabilities of the tokens it sampled (the fp32 softmax it s
 against the training forward's within 1e-4: it is pi_theta, not an approximation that needs correcting.
 
 Sampling options it does not implement (top-k, top-p, repetition penalty, ``min_new_tokens``, stop strings) and a
-sharded policy that gathers per forward (``synced_gpus``) go to :class:`~rloo_lightning.rollout.HFGenerateEngine`.
+sharded policy that gathers per forward (``synced_gpus``) go to :class:`~rloo_lightning.engines.HFGenerateEngine`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from rloo_lightning.logprobs import _base_model, cache_keyword, prefill_groups, returned_cache
-from rloo_lightning.rollout import GenerationEngine, HFGenerateEngine, generates_synced, prompt_groups
+from rloo_lightning.engines import GenerationEngine, HFGenerateEngine, generates_synced, prompt_groups
 
 __all__ = ["DecodeLoopEngine", "sample_from_logits", "plain_sampling"]
 
@@ -96,7 +96,7 @@ class DecodeLoopEngine(GenerationEngine):
 
     The random stream is a ``torch.Generator`` seeded with the call's seed: the global RNG is not touched, and a
     seed gives the same tokens again. It is not ``generate``'s stream: the same seed samples other tokens (from
-    the same distribution) than :class:`~rloo_lightning.rollout.HFGenerateEngine`.
+    the same distribution) than :class:`~rloo_lightning.engines.HFGenerateEngine`.
     """
 
     def __init__(self, return_logprobs: bool = False, chunk_head: bool = True, compact: bool = True) -> None:
@@ -140,7 +140,7 @@ class DecodeLoopEngine(GenerationEngine):
         logits = logits[:, -1].repeat_interleave(k, dim=0)
         if cache is None:
             raise ValueError(f"{type(model).__name__} returned no KV cache with use_cache=True: DecodeLoopEngine needs "
-                             "one (generation_engine: rloo_lightning.rollout.HFGenerateEngine samples without)")
+                             "one (generation_engine: rloo_lightning.engines.HFGenerateEngine samples without)")
         tokens_out = torch.full((B, T), pad, dtype=torch.long, device=device)
         logp_out = torch.zeros(B, T, dtype=torch.float32, device=device)  # bf16-true sets the default dtype
         rows = torch.arange(B, device=device)  # the live rows' indices in the output

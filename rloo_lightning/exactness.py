@@ -39,7 +39,7 @@ from transformers import GenerationConfig
 
 from rloo_lightning.data import collate_prompts
 from rloo_lightning.models import build_char_tokenizer
-from rloo_lightning.rollout import GenerationEngine
+from rloo_lightning.engines import GenerationEngine
 
 __all__ = [
     "Toy",

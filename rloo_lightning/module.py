@@ -22,6 +22,7 @@ from rloo_lightning.config import (
 )
 from rloo_lightning.correction import importance_weights, mismatch_sums, weighted_advantages
 from rloo_lightning.decode import DecodeLoopEngine
+from rloo_lightning.engines import GenerationEngine
 from rloo_lightning.dynamic_sampling import fill_informative
 from rloo_lightning.kl import fold_kl, mix_into_reference, reward_to_go, token_rewards_after_baseline
 from rloo_lightning.logprobs import sequence_logprobs, worth_sharing
@@ -32,7 +33,7 @@ from rloo_lightning.policy import Frozen, disable_dropout, export_pretrained, lo
 from rloo_lightning.rewards import RewardSet
 from rloo_lightning.rewards.model import RewardModel
 from rloo_lightning.rewards.shaping import shape_rewards
-from rloo_lightning.rollout import GenerationEngine, Rollout, default_eos_ids, derive_seed
+from rloo_lightning.rollout import Rollout, default_eos_ids, derive_seed
 from rloo_lightning.rollout import generate_rollout, generation_configs
 from rloo_lightning.timing import PhaseTimer
 from rloo_lightning.update import (
@@ -70,9 +71,9 @@ class RLOOModule(LightningModule):
         policy: loading and training the policy: GGUF, LoRA, gradient checkpointing (``PolicyArgs``).
         predict: what ``predict`` samples and where it writes (``PredictArgs``).
         environment: multi-turn episodes in an environment, off by default (``EnvironmentArgs``).
-        generation_engine: what samples the completions (:class:`~rloo_lightning.rollout.GenerationEngine`;
+        generation_engine: what samples the completions (:class:`~rloo_lightning.engines.GenerationEngine`;
             default: :class:`~rloo_lightning.decode.DecodeLoopEngine`, a decode loop over the policy's KV cache;
-            :class:`~rloo_lightning.rollout.HFGenerateEngine` is the policy's own ``generate``). In YAML
+            :class:`~rloo_lightning.engines.HFGenerateEngine` is the policy's own ``generate``). In YAML
             ``{class_path: my.Engine, init_args: {...}}``.
         time_phases: time the phases of each step and write them as ``time/<phase>`` to the loggers.
         checkpoint_every_n_steps: besides the end of fit, write ``last.ckpt`` every N optimizer steps (0 = off).

@@ -302,7 +302,8 @@ class EpisodeSampler:
         run replays its episodes exactly. Turn ``t`` samples with ``seed`` (t = 0) or ``derive_seed(seed, "turn",
         t)``.
         """
-        from rloo_lightning.rollout import Rollout, derive_seed, generates_synced
+        from rloo_lightning.engines import generates_synced
+        from rloo_lightning.rollout import Rollout, derive_seed
 
         n = batch["input_ids"].shape[0]
         prompt_ids = batch["input_ids"].repeat_interleave(k, dim=0)

@@ -58,7 +58,8 @@ def main() -> None:
     from rloo_lightning.decode import _chunked_head as chunked_head
     from rloo_lightning.logprobs import completion_mask, sequence_logprobs
     from rloo_lightning.models import load_causal_lm, load_tokenizer, resolve_model_path
-    from rloo_lightning.rollout import HFGenerateEngine, Rollout, default_eos_ids, sampling_config
+    from rloo_lightning.engines import HFGenerateEngine
+    from rloo_lightning.rollout import Rollout, default_eos_ids, sampling_config
 
     path = resolve_model_path(args.model)
     tok, model = load_tokenizer(path), load_causal_lm(path, dtype=torch.float32)

@@ -49,7 +49,7 @@ CONFIG = ROOT / "configs" / "smollm2_arithmetic.yaml"
 SYSTEMS = {"a": "rloo_lightning", "b": "TRL RLOOTrainer", "h": "rloo_lightning, HF generate sampler"}
 # (h): ours with TRL's sampler, ``model.generate`` (torch.multinomial, every row prefilled) in place of our decode
 # loop; not one of the two systems compared, but the run that tells a sampler difference from chance.
-HF_SAMPLER = "{class_path: rloo_lightning.rollout.HFGenerateEngine, init_args: {share_prompt: false}}"
+HF_SAMPLER = "{class_path: rloo_lightning.engines.HFGenerateEngine, init_args: {share_prompt: false}}"
 HELD_OUT_SEED = 1000
 
 

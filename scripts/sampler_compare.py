@@ -93,7 +93,7 @@ def main() -> None:
     from rloo_lightning import RLOOModule
     from rloo_lightning.data import PromptDataModule
     from rloo_lightning.decode import DecodeLoopEngine
-    from rloo_lightning.rollout import HFGenerateEngine
+    from rloo_lightning.engines import HFGenerateEngine
 
     torch.set_num_threads(args.threads)
     hf_dir, rounds = args.hf_dir, args.rounds

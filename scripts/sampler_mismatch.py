@@ -35,7 +35,7 @@ ENGINES = {
     "bf16": {"class_path": "rloo_lightning.engines.ReducedPrecisionEngine", "init_args": {"dtype": "bfloat16"}},
     "int8": {"class_path": "rloo_lightning.engines.ReducedPrecisionEngine", "init_args": {"dtype": "int8"}},
     # a known, material perturbation on the tiny model: sampling at temperature 1.5 instead of 1
-    "tempered1.5": {"class_path": "rloo_lightning.rollout.HFGenerateEngine", "init_args": {"sampler_temperature": 1.5}},
+    "tempered1.5": {"class_path": "rloo_lightning.engines.HFGenerateEngine", "init_args": {"sampler_temperature": 1.5}},
 }
 CORRECTIONS = {"none": [], "token-tis2": ["--model.correction.level", "token"],
                "sequence-tis2": ["--model.correction.level", "sequence"]}
@@ -43,7 +43,7 @@ CORRECTIONS = {"none": [], "token-tis2": ["--model.correction.level", "token"],
 
 def _engine(name: str):
     from rloo_lightning.engines import ReducedPrecisionEngine
-    from rloo_lightning.rollout import HFGenerateEngine
+    from rloo_lightning.engines import HFGenerateEngine
 
     if name == "fp32-plain":
         return HFGenerateEngine()

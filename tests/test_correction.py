@@ -10,7 +10,7 @@ import torch
 from module_helpers import PROMPTS, configured_module, prompt_batch
 from rloo_lightning.config import CorrectionArgs
 from rloo_lightning.correction import importance_weights, mismatch_sums, weighted_advantages
-from rloo_lightning.rollout import HFGenerateEngine
+from rloo_lightning.engines import HFGenerateEngine
 
 # two sequences of 3 tokens; the second has 2 (its last position is padding)
 LOGP = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, -9.0]])

@@ -92,7 +92,7 @@ def test_compacting_finished_rows_changes_nothing_but_the_work():
 
 
 def test_greedy_is_the_argmax_and_matches_generate():
-    from rloo_lightning.rollout import HFGenerateEngine
+    from rloo_lightning.engines import HFGenerateEngine
 
     model, (ids, mask) = _model("llama"), _prompts(k=1)
     cfg = sampling_config(max_new_tokens=8, eos_token_ids=[EOS], pad_token_id=PAD, do_sample=False)

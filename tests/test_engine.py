@@ -8,7 +8,7 @@ from lightning.pytorch.loggers import Logger
 
 from rloo_lightning import RLOOModule
 from rloo_lightning.data import PromptDataModule, collate_prompts
-from rloo_lightning.rollout import GenerationEngine
+from rloo_lightning.engines import GenerationEngine
 
 REWARD = "rloo_lightning.tasks.reverse.reward"
 

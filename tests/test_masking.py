@@ -17,7 +17,8 @@ from rloo_lightning.module import RLOOModule
 from rloo_lightning import logprobs
 from rloo_lightning.logprobs import completion_mask, mask_positions, token_logprobs
 from rloo_lightning.losses import aggregate_token_loss
-from rloo_lightning.rollout import HFGenerateEngine, Rollout
+from rloo_lightning.engines import HFGenerateEngine
+from rloo_lightning.rollout import Rollout
 
 REWARD = "rloo_lightning.tasks.reverse.reward"
 

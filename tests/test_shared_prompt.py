@@ -136,7 +136,7 @@ def test_unequal_prompts_within_a_group_or_checkpointing_are_not_shared():
 
 
 def test_prompt_groups_is_the_run_length_gcd():
-    from rloo_lightning.rollout import prompt_groups
+    from rloo_lightning.engines import prompt_groups
 
     ids = torch.tensor([[1, 2], [1, 2], [3, 4], [3, 4], [3, 4], [3, 4]])
     mask = torch.ones_like(ids)
@@ -151,7 +151,8 @@ def test_prompt_groups_is_the_run_length_gcd():
 def test_shared_prefill_samples_what_the_plain_prefill_samples(config):
     """Same seed, same draws: the shared prefill changes only rounding, so the tokens are the same here, and the
     log-probs the engine reports match the training forward's within 1e-4 (the engine is still pi_theta)."""
-    from rloo_lightning.rollout import HFGenerateEngine, sampling_config
+    from rloo_lightning.engines import HFGenerateEngine
+    from rloo_lightning.rollout import sampling_config
 
     model, rollout = _model(config()), _rollout(width=1)
     model.generation_config.pad_token_id = PAD
