@@ -441,7 +441,11 @@ def plot(path: str) -> None:
 
 def markdown(path: str) -> str:
     """The results of ``path`` as the tables of docs/learning_parity.md."""
-    data = json.loads(Path(path).read_text())
+    return markdown_of(json.loads(Path(path).read_text()))
+
+
+def markdown_of(data: dict) -> str:
+    """The tables of a results record (its ``summary`` and ``eval_steps``)."""
     summary = data["summary"]
     steps = [0] + data["eval_steps"]
     lines = ["| system | seed | " + " | ".join(f"step {s}" for s in steps)

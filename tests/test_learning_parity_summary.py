@@ -75,3 +75,20 @@ def test_run_level_interval_and_per_step_difference():
     assert [d["mean"] for d in out["difference_by_step"]] == [0.0, 0.0, pytest.approx(-0.375, abs=1e-4)]
     one_each = lp.summarize({"a_seed0": runs["a_seed0"], "b_seed0": runs["b_seed0"]}, start, [0, 1, 2, 3])
     assert "difference_by_run" not in one_each  # one run a side has no spread to estimate
+
+
+def test_sampler_diagnostic_runs_sit_beside_the_two_systems():
+    start = {"correct": [0, 0, 0, 0]}
+    finals = {"a": [[1, 1, 0, 0], [1, 0, 0, 0]], "b": [[1, 1, 1, 1], [1, 1, 1, 0]], "h": [[1, 1, 1, 0], [1, 1, 0, 0]]}
+    runs = {f"{s}_seed{i}": _run(s, i, f) for s, fs in finals.items() for i, f in enumerate(fs)}
+    out = lp.summarize(runs, start, [0, 1, 2, 3])
+    without_h = lp.summarize({k: v for k, v in runs.items() if v["system"] != "h"}, start, [0, 1, 2, 3])
+    # h changes nothing of the stated comparison
+    for key in ("difference_a_minus_b", "difference_by_run", "difference_by_step"):
+        assert out[key] == without_h[key]
+    assert out["systems"]["h"]["final_accuracy_mean"] == pytest.approx(0.625, abs=1e-4)
+    assert out["difference_h_minus_a_by_run"]["mean"] == pytest.approx(0.625 - 0.375, abs=1e-4)
+    assert out["difference_h_minus_b_by_run"]["mean"] == pytest.approx(0.625 - 0.875, abs=1e-4)
+    assert "difference_h_minus_a_by_run" not in without_h
+    table = lp.markdown_of({"summary": out, "eval_steps": [10, 20]})
+    assert "HF generate sampler minus TRL RLOOTrainer" in table and "HF generate sampler minus rloo_lightning" in table
