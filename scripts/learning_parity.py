@@ -420,17 +420,18 @@ def plot(path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     colors = {"a": "tab:blue", "b": "tab:orange", "h": "tab:green"}
     for system, s in data["summary"]["systems"].items():
-        for r in s["runs"]:
+        for i, r in enumerate(s["runs"]):  # thin: one line a run; thick: the mean over the system's runs
             steps = [c["step"] for c in r["curve"]]
             acc = [c["accuracy"] for c in r["curve"]]
             secs = [c["train_s"] / 60 for c in r["curve"]]
-            label = f"{s['name']} seed {r['seed']}"
-            style = ["-", "--", ":", "-."][data["seeds"].index(r["seed"]) % 4]
-            axes[0].plot(steps, acc, style, color=colors[system], marker="o", label=label)
-            axes[1].plot(secs, acc, style, color=colors[system], marker="o", label=label)
+            label = f"{s['name']}, one line a seed" if i == 0 else None
+            axes[0].plot(steps, acc, color=colors[system], alpha=0.35, lw=0.8, label=label)
+            axes[1].plot(secs, acc, color=colors[system], alpha=0.35, lw=0.8, marker=".", label=label)
+        mean = [sum(r["curve"][j]["accuracy"] for r in s["runs"]) / len(s["runs"]) for j in range(len(steps))]
+        axes[0].plot(steps, mean, color=colors[system], lw=2.2, marker="o", label=f"{s['name']}, mean")
     n = data["summary"]["held_out_prompts"]
     axes[0].set(xlabel="optimizer step", ylabel=f"greedy accuracy ({n} held-out prompts)")
-    axes[1].set(xlabel="training wall clock (min, this 2-core CPU)", ylabel="greedy accuracy")
+    axes[1].set(xlabel="training wall clock (min, 2-core CPUs: each run's in the table)", ylabel="greedy accuracy")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
