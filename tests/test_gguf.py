@@ -45,6 +45,12 @@ def test_gguf_policy_chat_prompts_step_and_export(module, tmp_path):
     # auto chat template: the instruct model's template with the assistant turn opened
     text = module.tokenizer.decode(dm.train_rows[0]["input_ids"])
     assert text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n")
+    # the same ids as the template tokenized in one call, as TRL's RLOOTrainer encodes a messages prompt (the
+    # learning-parity comparison gives TRL the same rows as messages)
+    chats = [[{"role": "user", "content": row["prompt"]}] for row in dm.train_rows]
+    one_call = module.tokenizer.apply_chat_template(conversation=chats, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)["input_ids"]
+    assert [list(row["input_ids"]) for row in dm.train_rows] == one_call
     # the chat model's end-of-turn token ends completions
     assert module.tokenizer.convert_tokens_to_ids("<|im_end|>") in module.eos_token_ids
 
