@@ -19,6 +19,9 @@ in training), scored by the task's reward (the last number equals the answer). T
 ``make_rows(n, 1000)`` minus any prompt of the seeds' training rows. Step 0 is the shared start.
 ``--resume --seeds 0 1 2`` adds a seed to a finished record: the new runs are scored on the record's prompts,
 and the summary counts only those in no run's training rows.
+``--systems h`` (with ``--resume``) adds the sampler diagnostic: ours with ``HFGenerateEngine`` in place of its
+decode loop (``model.generate``, every row prefilled, as TRL samples), reported beside the two systems with
+Welch intervals against each (``difference_h_minus_a_by_run``, ``difference_h_minus_b_by_run``).
 
 Stated before the runs (the issue's criteria): (1) the 95 % interval of the final accuracy difference,
 ours minus TRL, lies within ±0.05; (2) each system's final accuracy is above step 0's, its 95 % interval
