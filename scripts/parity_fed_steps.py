@@ -56,6 +56,23 @@ def _compare_deltas(ours_path: Path, model, init: dict) -> dict:
             "cosine": ab / (aa * bb) ** 0.5}
 
 
+def ours_sampler(hf_dir: str, h: dict, seed: int):
+    """Our module (its ``sample`` and ``score``) and the task's ``PromptDataModule`` for the learning-parity
+    hyperparameters ``h`` (``learning_parity._hyper()``), set up: ``(module, data)``."""
+    from rloo_lightning import RLOOModule
+    from rloo_lightning.data import PromptDataModule
+
+    module = RLOOModule(hf_dir, rewards={"funcs": [h["reward"]]},
+                        sampling={"k": h["k"], "max_new_tokens": h["max_new_tokens"], "temperature": h["temperature"]},
+                        kl={"beta": h["beta"]})
+    module.configure_model()
+    data = PromptDataModule(tokenizer_name_or_path=hf_dir, task=h["task"], batch_size=h["prompts"],
+                            num_train_rows=h["num_train_rows"], num_val_rows=32, max_new_tokens=h["max_new_tokens"],
+                            seed=seed)
+    data.setup("fit")
+    return module, data
+
+
 def _fed_callback():
     import lightning.pytorch as L
 
@@ -98,20 +115,11 @@ def main() -> None:
 
     from bench_common import emit_json
     from bench_trl import trl_dataset, trl_reward
-    from rloo_lightning import RLOOModule
     from rloo_lightning.cli import main as cli_main
-    from rloo_lightning.data import PromptDataModule
 
     h = _hyper()
     # -- the rollouts: our sampler on the initial policy, one batch of the task per step ----------------------
-    sampler = RLOOModule(args.hf_dir, rewards={"funcs": [h["reward"]]},
-                         sampling={"k": h["k"], "max_new_tokens": h["max_new_tokens"], "temperature": h["temperature"]},
-                         kl={"beta": h["beta"]})
-    sampler.configure_model()
-    data = PromptDataModule(tokenizer_name_or_path=args.hf_dir, task=h["task"], batch_size=h["prompts"],
-                            num_train_rows=h["num_train_rows"], num_val_rows=32, max_new_tokens=h["max_new_tokens"],
-                            seed=args.seed)
-    data.setup("fit")
+    sampler, data = ours_sampler(args.hf_dir, h, args.seed)
     rollouts = []
     with torch.no_grad():
         for step, batch in zip(range(args.steps), data.train_dataloader()):

@@ -19,6 +19,7 @@ import argparse
 import math
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,26 +61,20 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from learning_parity import _hyper, trl_config
+    from parity_fed_steps import ours_sampler
     from transformers import set_seed
     from trl import RLOOTrainer
 
     from bench_common import emit_json
     from bench_trl import trl_dataset, trl_reward
-    from rloo_lightning import RLOOModule
-    from rloo_lightning.data import PromptDataModule
     from rloo_lightning.models import load_tokenizer
     from rloo_lightning.rollout import derive_seed
 
     h = _hyper()
-    k, T = h["k"], h["max_new_tokens"]
+    k = h["k"]
     t0 = time.perf_counter()
     # -- ours: the data module and the module's sample and score, as a run's training_step calls them ----------
-    module = RLOOModule(args.hf_dir, rewards={"funcs": [h["reward"]]},
-                        sampling={"k": k, "max_new_tokens": T, "temperature": h["temperature"]}, kl={"beta": h["beta"]})
-    module.configure_model()
-    data = PromptDataModule(tokenizer_name_or_path=args.hf_dir, task=h["task"], batch_size=h["prompts"],
-                            num_train_rows=h["num_train_rows"], num_val_rows=32, max_new_tokens=T, seed=args.seed)
-    data.setup("fit")
+    module, data = ours_sampler(args.hf_dir, h, args.seed)
     ours = []
     with torch.no_grad():
         for step, batch in zip(range(args.batches), data.train_dataloader()):
@@ -96,12 +91,17 @@ def main() -> None:
     spec = dict(h, hf_dir=args.hf_dir, seed=args.seed, steps=args.batches)
     set_seed(args.seed)
     reward = trl_reward(spec)
-    trainer = RLOOTrainer(model=args.hf_dir, reward_funcs=reward, args=trl_config(spec, Path("/tmp/rollout_stats_trl")),
+    trainer = RLOOTrainer(model=args.hf_dir, reward_funcs=reward,
+                          args=trl_config(spec, Path(tempfile.mkdtemp()) / "trl"),
                           train_dataset=trl_dataset(spec, tok), processing_class=tok)
-    eos = set(trainer.eos_token_ids) if hasattr(trainer, "eos_token_ids") else {tok.eos_token_id}
+    eos = set(trainer.eos_token_ids)
     trl = []
     with torch.no_grad():
         for _, inputs in zip(range(args.batches), trainer.get_train_dataloader()):
+            if len(inputs) != h["prompts"] * k or any(inputs[i]["prompt"] != inputs[i - i % k]["prompt"]
+                                                      for i in range(len(inputs))):
+                raise SystemExit("TRL's batch is not 4 prompts x k rows, prompt-major: the group statistics would be "
+                                 "wrong")
             _, completion_ids, completions = trainer._generate([x["prompt"] for x in inputs])
             rewards = reward([x["prompt"] for x in inputs], completions, completion_ids,
                              answer=[x["answer"] for x in inputs])
@@ -109,9 +109,6 @@ def main() -> None:
             trl.append(batch_stats([float(r) for r in rewards], [len(ids) for ids in completion_ids],
                                    [not e for e in ended], k))
     trl_s = time.perf_counter() - t0
-    if [len(inputs)] != [h["prompts"] * k] or any(inputs[i]["prompt"] != inputs[i - i % k]["prompt"]
-                                                   for i in range(len(inputs))):
-        raise SystemExit("TRL's batch is not 4 prompts x k rows, prompt-major: the group statistics would be wrong")
 
     result = {"hf_dir": args.hf_dir, "seed": args.seed, "batches": args.batches, "hyperparameters": h,
               "compare": compare(ours, trl), "ours_s": round(ours_s), "trl_s": round(trl_s),
