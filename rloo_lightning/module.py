@@ -22,8 +22,8 @@ from rloo_lightning.config import (
 )
 from rloo_lightning.correction import importance_weights, mismatch_sums, weighted_advantages
 from rloo_lightning.decode import DecodeLoopEngine
-from rloo_lightning.engines import GenerationEngine
 from rloo_lightning.dynamic_sampling import fill_informative
+from rloo_lightning.engines import GenerationEngine
 from rloo_lightning.kl import fold_kl, mix_into_reference, reward_to_go, token_rewards_after_baseline
 from rloo_lightning.logprobs import sequence_logprobs, worth_sharing
 from rloo_lightning.losses import PolicyLoss

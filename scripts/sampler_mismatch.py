@@ -42,8 +42,7 @@ CORRECTIONS = {"none": [], "token-tis2": ["--model.correction.level", "token"],
 
 
 def _engine(name: str):
-    from rloo_lightning.engines import ReducedPrecisionEngine
-    from rloo_lightning.engines import HFGenerateEngine
+    from rloo_lightning.engines import HFGenerateEngine, ReducedPrecisionEngine
 
     if name == "fp32-plain":
         return HFGenerateEngine()
