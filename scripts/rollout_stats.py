@@ -2,15 +2,17 @@
 ``sample`` and ``score``) against TRL's ``RLOOTrainer`` (its data loader, ``_generate``, its reward call on its own
 decoded text). Prints one JSON object.
 
-    python scripts/rollout_stats.py --hf-dir DIR [--batches 40] [--seed 0] [--out docs/rollout_stats.json]
+    python scripts/rollout_stats.py --hf-dir DIR [--batches 40] [--seed 0] [--weights CKPT] [--out FILE]
 
 ``scripts/parity_trajectory.py`` shows that the two trainers make the same model from the same rollouts, with
 TRL's generation and reward calls replaced by ours. This script covers what that leaves out: each pipeline
 draws ``--batches`` batches of the learning-parity run (4 prompts x k = 4, 48 new tokens, temperature 0.7) of
-its own training rows, from SmolLM2's starting weights and without training, and the statistics that shape
-an RLOO update are compared batch by batch: the task reward, the groups whose k rewards are all equal (no
-learning signal), the completion length and the completions cut at ``max_new_tokens``. Both pipelines sample
-from the same distribution, so each difference should be within about two of its standard errors.
+its own training rows, from SmolLM2's starting weights (or from ``--weights``: a policy trained some steps,
+loaded into both pipelines' models, so that they are compared where the policy has moved) and without
+training, and the statistics that shape an RLOO update are compared batch by batch: the task reward, the
+groups whose k rewards are all equal (no learning signal), the completion length and the completions cut at
+``max_new_tokens``. Both pipelines sample from the same distribution, so each difference should be within
+about two of its standard errors.
 """
 
 from __future__ import annotations
@@ -34,6 +36,20 @@ def batch_stats(rewards: list[float], lengths: list[int], truncated: list[bool],
             "length": statistics.fmean(lengths), "truncated": statistics.fmean(truncated)}
 
 
+def policy_weights(path: str) -> dict:
+    """A policy's state dict (Hugging Face names) from ``path``: a Lightning checkpoint of ``rloo-lightning fit``
+    (its ``policy.`` entries) or a ``torch.save``-d state dict."""
+    import torch
+
+    state = torch.load(path, map_location="cpu", weights_only=False)  # a checkpoint holds its hyperparameters too
+    if "state_dict" in state:
+        state = {n[len("policy."):]: t for n, t in state["state_dict"].items() if n.startswith("policy.")}
+    if not state:
+        raise SystemExit(f"--weights {path}: no policy weights in it (a Lightning checkpoint's 'policy.' entries, "
+                         "or a state dict)")
+    return state
+
+
 def compare(ours: list[dict], trl: list[dict]) -> dict:
     """Per statistic: each side's mean over batches and ours minus TRL with its standard error (batches
     independent)."""
@@ -54,6 +70,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--weights", help="the policy's weights to start both pipelines from (see policy_weights)")
     parser.add_argument("--out")
     args = parser.parse_args()
 
@@ -72,9 +89,12 @@ def main() -> None:
 
     h = _hyper()
     k = h["k"]
+    weights = policy_weights(args.weights) if args.weights else None
     t0 = time.perf_counter()
     # -- ours: the data module and the module's sample and score, as a run's training_step calls them ----------
     module, data = ours_sampler(args.hf_dir, h, args.seed)
+    if weights is not None:
+        module.policy.load_state_dict(weights, strict=True)
     ours = []
     with torch.no_grad():
         for step, batch in zip(range(args.batches), data.train_dataloader()):
@@ -94,6 +114,8 @@ def main() -> None:
     trainer = RLOOTrainer(model=args.hf_dir, reward_funcs=reward,
                           args=trl_config(spec, Path(tempfile.mkdtemp()) / "trl"),
                           train_dataset=trl_dataset(spec, tok), processing_class=tok)
+    if weights is not None:
+        trainer.model.load_state_dict(weights, strict=True)
     eos = set(trainer.eos_token_ids)
     trl = []
     with torch.no_grad():
@@ -110,7 +132,8 @@ def main() -> None:
                                    [not e for e in ended], k))
     trl_s = time.perf_counter() - t0
 
-    result = {"hf_dir": args.hf_dir, "seed": args.seed, "batches": args.batches, "hyperparameters": h,
+    result = {"hf_dir": args.hf_dir, "weights": args.weights, "seed": args.seed, "batches": args.batches,
+              "hyperparameters": h,
               "compare": compare(ours, trl), "ours_s": round(ours_s), "trl_s": round(trl_s),
               "per_batch": {"ours": ours, "trl": trl}}
     emit_json(result, args.out)
