@@ -19,6 +19,10 @@ in training), scored by the task's reward (the last number equals the answer). T
 ``make_rows(n, 1000)`` minus any prompt of the seeds' training rows. Step 0 is the shared start.
 ``--resume --seeds 0 1 2`` adds a seed to a finished record: the new runs are scored on the record's prompts,
 and the summary counts only those in no run's training rows.
+A study run over several sessions lists all its seeds from the first call, so that its held-out prompts lie
+outside every seed's training rows, and each later session repeats the command with ``--resume`` (on another
+machine the record's own step-0 scores stand in for the work directory's). ``--eval-steps 50`` scores only the
+final step: no time to accuracy, a fifth of the scoring.
 ``--systems h`` (with ``--resume``) adds the sampler diagnostic: ours with ``HFGenerateEngine`` in place of its
 decode loop (``model.generate``, every row prefilled, as TRL samples), reported beside the two systems with
 Welch intervals against each (``difference_h_minus_a_by_run``, ``difference_h_minus_b_by_run``).
@@ -373,7 +377,8 @@ def summarize(runs: dict, start: dict, keep: list[int]) -> dict:
             curve = [(0, 0.0, start_acc)] + [(s["step"], s["train_s"], acc(s["correct"])) for s in r["snapshots"]]
             final = curve[-1][2]
             mid = (start_acc + final) / 2
-            reach = next((c for c in curve[1:] if c[2] >= mid), None)
+            # only the final step scored: no curve to read a time to accuracy from
+            reach = next((c for c in curve[1:] if c[2] >= mid), None) if len(curve) > 2 else None
             per_run.append({"seed": r["seed"], "final_accuracy": round(final, 4),
                             "curve": [{"step": c[0], "train_s": round(c[1], 1), "accuracy": round(c[2], 4)}
                                       for c in curve],
@@ -459,7 +464,7 @@ def markdown_of(data: dict) -> str:
         for r in s["runs"]:
             acc = {c["step"]: c["accuracy"] for c in r["curve"]}
             reach = (f"{r['time_to_midpoint_s']:.0f} s (step {r['step_to_midpoint']})"
-                     if r["time_to_midpoint_s"] is not None else "not reached")
+                     if r["time_to_midpoint_s"] is not None else "not reached" if len(steps) > 2 else "–")
             lines.append(f"| {s['name']} | {r['seed']} | " + " | ".join(f"{acc[st]:.3f}" for st in steps)
                          + f" | {reach} | {r['train_s']:.0f} s | {r['peak_rss_mb']} MiB |")
     lines += ["", "| | mean | 95 % interval | stated criterion | met |", "|---|---|---|---|---|"]
@@ -521,7 +526,8 @@ def main() -> None:
                         help="a: ours, b: TRL, h: ours with the HF generate sampler (a diagnostic)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--resume", action="store_true",
-                        help="keep the runs already in --out (and step 0's scores in --workdir); run the others")
+                        help="keep the runs already in --out and its step-0 scores (those in --workdir if "
+                             "there); run the others")
     args = parser.parse_args()
     if args.child:
         {"a": run_a, "b": run_b, "h": lambda *a: run_a(*a, system="h"), "score": run_score}[args.child](
@@ -564,6 +570,8 @@ def main() -> None:
     step0 = workdir / "score_step0.out.json"
     if args.resume and step0.exists():
         start = json.loads(step0.read_text())["results"][0]
+    elif done and "correct" in done.get("step0", {}):  # another machine: the record's own step-0 scores
+        start = done["step0"]
     else:
         start = _child("score", dict(score_spec, snapshots=[None]), workdir / "score_step0", args.threads)["results"][0]
     record["step0"] = {"accuracy": start["accuracy"], "score_s": start["score_s"], "examples": start["examples"],

@@ -92,3 +92,43 @@ def test_sampler_diagnostic_runs_sit_beside_the_two_systems():
     assert "difference_h_minus_a_by_run" not in without_h
     table = lp.markdown_of({"summary": out, "eval_steps": [10, 20]})
     assert "HF generate sampler minus TRL RLOOTrainer" in table and "HF generate sampler minus rloo_lightning" in table
+
+
+def test_final_step_only_reports_no_time_to_accuracy():
+    start = {"correct": [0, 0, 0, 0]}
+    final_only = {"system": "a", "seed": 0, "snapshots": [{"step": 50, "train_s": 9.0, "correct": [1, 1, 0, 0]}],
+                  "startup_s": 1.0, "peak_rss_mb": 100.0, "train_reward": [0.0]}
+    run = lp.summarize({"a_seed0": final_only}, start, [0, 1, 2, 3])["systems"]["a"]["runs"][0]
+    assert run["final_accuracy"] == 0.5
+    assert run["time_to_midpoint_s"] is None and run["step_to_midpoint"] is None  # one point is not a curve
+    row = lp.markdown_of({"summary": lp.summarize({"a_seed0": final_only}, start, [0, 1, 2, 3]),
+                          "eval_steps": [50]}).splitlines()[2]
+    assert row.startswith("| rloo_lightning | 0 | 0.000 | 0.500 | – |")
+    with_curve = lp.summarize({"a_seed0": _run("a", 0, [1, 1, 0, 0])}, start, [0, 1, 2, 3])
+    assert with_curve["systems"]["a"]["runs"][0]["step_to_midpoint"] == 20
+
+
+def test_resume_on_another_machine_takes_the_records_step0_scores(tmp_path, monkeypatch, capsys):
+    import json
+
+    n = 12
+    start = {"accuracy": 0.25, "score_s": 1.0, "examples": [], "correct": [1, 1, 1] + [0] * (n - 3)}
+    finals = {"a": [1] * 6 + [0] * 6, "b": [1] * 4 + [0] * 8}
+    runs = {f"{s}_seed0": dict(system=s, seed=0, startup_s=1.0, peak_rss_mb=100.0, train_reward=[0.0],
+                               snapshots=[{"step": 50, "train_s": 9.0, "correct": f}]) for s, f in finals.items()}
+    record = {"steps": 50, "seeds": [0], "eval_steps": [50], "hyperparameters": lp._hyper(), "held_out_seeds": [0],
+              "runs": runs, "step0": start}
+    out = tmp_path / "record.json"
+    out.write_text(json.dumps(record))
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("nothing is left to run or to score")
+
+    monkeypatch.setattr(lp, "_child", no_child)
+    monkeypatch.setattr(sys, "argv", ["learning_parity.py", "--hf-dir", str(tmp_path), "--out", str(out),
+                                      "--workdir", str(tmp_path / "empty"), "--seeds", "0", "--eval-rows", str(n),
+                                      "--eval-steps", "50", "--resume"])
+    lp.main()
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["step0_accuracy"] == 0.25 and summary["held_out_prompts"] == n
+    assert summary["difference_a_minus_b"]["mean"] == pytest.approx(2 / n, abs=1e-4)
