@@ -37,11 +37,11 @@ def batch_stats(rewards: list[float], lengths: list[int], truncated: list[bool],
 
 
 def policy_weights(path: str) -> dict:
-    """A policy's state dict (Hugging Face names) from ``path``: a Lightning checkpoint of ``rloo-lightning fit``
-    (its ``policy.`` entries) or a ``torch.save``-d state dict."""
-    import torch
+    """A policy's state dict (Hugging Face names) from ``path``: a checkpoint of ``rloo-lightning fit`` (its
+    ``policy.`` entries; a sharded folder is gathered) or a ``torch.save``-d state dict."""
+    from rloo_lightning.export import read_checkpoint
 
-    state = torch.load(path, map_location="cpu", weights_only=False)  # a checkpoint holds its hyperparameters too
+    state = read_checkpoint(path)
     if "state_dict" in state:
         state = {n[len("policy."):]: t for n, t in state["state_dict"].items() if n.startswith("policy.")}
     if not state:
