@@ -11,6 +11,8 @@ TRL gets too (as ``scripts/bench_trl.py`` configures it: k = 4 samples of 4 prom
 temperature 0.7, no top-k/top-p, beta 0.05, ``torch.optim.AdamW`` lr 5e-6 with torch's weight decay, no
 clipping, constant schedule, fp32; the training rows are the task's ``make_rows(2000, seed)`` for both).
 Runs are interleaved (ours seed 0, TRL seed 0, ours seed 1, ...). Neither validates while training.
+Each run's record keeps its training dashboard step by step: ``train_reward`` and ``train_metrics`` (KL,
+completion length, share cut at the token limit, entropy; ``STEP_METRICS`` names each system's own metric).
 
 At ``--eval-steps`` each run saves the policy's weights; the time spent saving is left out of its wall clock,
 which counts from the start of training (after the model load). One scoring process then loads every
@@ -58,6 +60,11 @@ SYSTEMS = {"a": "rloo_lightning", "b": "TRL RLOOTrainer", "h": "rloo_lightning, 
 # loop; not one of the two systems compared, but the run that tells a sampler difference from chance.
 HF_SAMPLER = "{class_path: rloo_lightning.engines.HFGenerateEngine, init_args: {share_prompt: false}}"
 HELD_OUT_SEED = 1000
+# Each step's training metrics kept in the record (beside the reward), under one name for both systems:
+# ours' logged name and TRL's. TRL's "kl" is per completion token (ours' per sequence: times the mean length).
+STEP_METRICS = {"kl": ("train/kl", "kl"), "completion_length": ("train/completion_length", "completions/mean_length"),
+                "clipped_ratio": ("train/clipped_ratio", "completions/clipped_ratio"),
+                "entropy": ("train/entropy", "entropy")}
 
 
 def _hyper() -> dict:
@@ -113,6 +120,7 @@ def _ours_callback():
             self.spec = read_spec(spec)
             self.snaps = Snapshots(self.spec, Path(self.spec["run_dir"]))
             self.rewards: list[float | None] = []
+            self.metrics: dict[str, list[float | None]] = {name: [] for name in STEP_METRICS}
 
         def on_train_start(self, trainer, pl_module):
             self.snaps.start()
@@ -120,11 +128,15 @@ def _ours_callback():
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             value = trainer.callback_metrics.get("train/reward")
             self.rewards.append(float(value) if value is not None else None)
+            for name, (ours, _) in STEP_METRICS.items():
+                v = trainer.callback_metrics.get(ours)
+                self.metrics[name].append(float(v) if v is not None else None)
             self.snaps.maybe_save(trainer.global_step, pl_module.policy)
 
         def on_train_end(self, trainer, pl_module):
             (Path(self.spec["run_dir"]) / "snapshots.json").write_text(json.dumps(
-                {"snapshots": self.snaps.saved, "startup_s": self.snaps.startup_s, "train_reward": self.rewards}))
+                {"snapshots": self.snaps.saved, "startup_s": self.snaps.startup_s, "train_reward": self.rewards,
+                 "train_metrics": self.metrics}))
 
     return OursSnapshots
 
@@ -191,6 +203,7 @@ def run_b(spec_path: str, out_path: str) -> None:
     dataset = trl_dataset(spec, tok)  # SmolLM2 has a chat template: messages prompts
     reward = trl_reward(spec)
     rewards: list[float] = []
+    metrics: dict[str, list[float | None]] = {name: [] for name in STEP_METRICS}
 
     class Snap(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
@@ -202,13 +215,15 @@ def run_b(spec_path: str, out_path: str) -> None:
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
                 rewards.append(logs["reward"])
+                for name, (_, theirs) in STEP_METRICS.items():
+                    metrics[name].append(float(logs[theirs]) if theirs in logs else None)
 
     config = trl_config(spec, run_dir / "trl")
     trainer = RLOOTrainer(model=spec["hf_dir"], reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tok, callbacks=[Snap()])
     trainer.train()
     write_result(out_path, {"system": "b", "snapshots": snaps.saved, "startup_s": snaps.startup_s,
-                            "train_reward": rewards})
+                            "train_reward": rewards, "train_metrics": metrics})
 
 
 # ------------------------------------------------------------------------------------------------
