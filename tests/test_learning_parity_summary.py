@@ -132,3 +132,32 @@ def test_resume_on_another_machine_takes_the_records_step0_scores(tmp_path, monk
     summary = json.loads(capsys.readouterr().out)
     assert summary["step0_accuracy"] == 0.25 and summary["held_out_prompts"] == n
     assert summary["difference_a_minus_b"]["mean"] == pytest.approx(2 / n, abs=1e-4)
+
+
+def test_our_runs_record_each_steps_dashboard_and_the_snapshot(tmp_path):
+    """The callback of run (a) keeps, for every step, the metrics ``STEP_METRICS`` names (None where a step logged
+    none), and saves the policy at the scored steps only."""
+    import json
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"eval_steps": [2], "run_dir": str(tmp_path), "launch_time": time.time()}))
+    callback = lp.OursSnapshots(str(spec))
+    policy = torch.nn.Linear(2, 1)
+    logged = [{"train/reward": 0.25, "train/kl": 0.5, "train/completion_length": 30.0,
+               "train/clipped_ratio": 0.125, "train/entropy": 0.7},
+              {"train/reward": 0.5, "train/kl": 1.5, "train/completion_length": 28.0, "train/clipped_ratio": 0.0}]
+    callback.on_train_start(None, None)
+    for step, metrics in enumerate(logged, start=1):
+        trainer = SimpleNamespace(global_step=step, callback_metrics={k: torch.tensor(v) for k, v in metrics.items()})
+        callback.on_train_batch_end(trainer, SimpleNamespace(policy=policy), None, None, step - 1)
+    callback.on_train_end(None, None)
+    out = json.loads((tmp_path / "snapshots.json").read_text())
+    assert out["train_reward"] == [0.25, 0.5]
+    assert out["train_metrics"] == {"kl": [0.5, 1.5], "completion_length": [30.0, 28.0],
+                                    "clipped_ratio": [0.125, 0.0], "entropy": [pytest.approx(0.7), None]}
+    assert [s["step"] for s in out["snapshots"]] == [2] and not (tmp_path / "step1.pt").exists()
+    assert torch.equal(torch.load(tmp_path / "step2.pt")["weight"], policy.weight)
