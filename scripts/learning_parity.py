@@ -352,8 +352,11 @@ def _welch(a: list[float], b: list[float]) -> dict:
     run-to-run spread is in it, which the prompt-paired interval leaves out)."""
     va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
     se = math.sqrt(va + vb)
+    mean = statistics.fmean(a) - statistics.fmean(b)
+    if se == 0:  # every run of both alike (a constant metric): no spread to form an interval from
+        return {"mean": round(mean, 4), "se": 0.0, "df": None, "t": None, "ci95": [round(mean, 4)] * 2}
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    mean, t = statistics.fmean(a) - statistics.fmean(b), _t_quantile(0.975, df)
+    t = _t_quantile(0.975, df)
     return {"mean": round(mean, 4), "se": round(se, 4), "df": round(df, 1), "t": round(mean / se, 2),
             "ci95": [round(mean - t * se, 4), round(mean + t * se, 4)]}
 
@@ -369,6 +372,30 @@ def _prepare_gguf(workdir: Path, threads: int) -> str:
         subprocess.run([sys.executable, str(bench), "_prepare", "--spec", str(workdir / "prepare.spec.json"),
                         "--out", str(workdir / "prepare.out.json")], env=child_env(threads), check=True)
     return str(target)
+
+
+DASHBOARD_LABELS = {"reward": "task reward (sampled)", "kl": "KL to the reference, nats per sequence",
+                    "completion_length": "completion length, tokens", "clipped_ratio": "share cut at the token limit",
+                    "entropy": "entropy, nats per token"}
+LATE_FROM = 25  # the dashboard's late phase: steps 26-50 of a 50-step run
+
+
+def late_dashboard(run: dict) -> dict | None:
+    """A run's ``train_metrics`` (and reward) averaged over the steps after ``LATE_FROM``, with the KL per sequence
+    for both systems (TRL logs it per completion token: times the step's mean completion length, which counts the
+    same tokens). None for a run recorded without them."""
+    metrics = run.get("train_metrics")
+    if not metrics:
+        return None
+    series = dict(metrics, reward=run["train_reward"])
+    if run["system"] == "b":
+        series["kl"] = [k * n if k is not None and n is not None else None
+                        for k, n in zip(metrics["kl"], metrics["completion_length"])]
+    out = {}
+    for name, values in series.items():
+        late = [v for v in values[LATE_FROM:] if v is not None]
+        out[name] = round(statistics.fmean(late), 4) if late else None
+    return out
 
 
 def summarize(runs: dict, start: dict, keep: list[int]) -> dict:
@@ -400,7 +427,8 @@ def summarize(runs: dict, start: dict, keep: list[int]) -> dict:
                             "time_to_midpoint_s": round(reach[1], 1) if reach and final > start_acc else None,
                             "step_to_midpoint": reach[0] if reach and final > start_acc else None,
                             "train_s": round(r["snapshots"][-1]["train_s"], 1), "startup_s": round(r["startup_s"], 1),
-                            "peak_rss_mb": round(r["peak_rss_mb"]), "train_reward": r["train_reward"]})
+                            "peak_rss_mb": round(r["peak_rss_mb"]), "train_reward": r["train_reward"],
+                            "late_dashboard": late_dashboard(r)})
         finals[system] = [[r["snapshots"][-1]["correct"][i] for i in keep] for r in mine]
         mean_final = [statistics.fmean(c) for c in zip(*finals[system])]
         out["systems"][system] = {
@@ -423,6 +451,12 @@ def summarize(runs: dict, start: dict, keep: list[int]) -> dict:
             {"step": c["step"], "mean": round(statistics.fmean(r["curve"][j]["accuracy"] for r in runs_of["a"])
                                               - statistics.fmean(r["curve"][j]["accuracy"] for r in runs_of["b"]), 4)}
             for j, c in enumerate(runs_of["a"][0]["curve"])]
+        late = {x: [r["late_dashboard"] for r in runs_of[x] if r["late_dashboard"]] for x in ("a", "b")}
+        if min(len(v) for v in late.values()) > 1:  # how the dashboards differ late in the runs, by run
+            out["late_dashboard_a_minus_b_by_run"] = {
+                name: _welch([d[name] for d in late["a"]], [d[name] for d in late["b"]])
+                for name in late["a"][0] if all(d.get(name) is not None for d in late["a"] + late["b"])}
+            out["late_dashboard_runs"] = {x: len(v) for x, v in late.items()}
     if "h" in finals:  # the sampler diagnostic, each run one observation
         runs_h = [r["final_accuracy"] for r in out["systems"]["h"]["runs"]]
         for other in ("a", "b"):
@@ -502,6 +536,15 @@ def markdown_of(data: dict) -> str:
             lines.append(f"| final accuracy, HF generate sampler minus {SYSTEMS[other]} (Welch, t = {w['t']:+.2f}, "
                          f"{w['df']:.1f} df) | {w['mean']:+.3f} | [{w['ci95'][0]:+.3f}, {w['ci95'][1]:+.3f}] | "
                          "a diagnostic | – |")
+    if "late_dashboard_a_minus_b_by_run" in summary:
+        n = summary["late_dashboard_runs"]
+        lines += ["", f"| steps {LATE_FROM + 1}-{data['steps']}, mean of each run ({n['a']} of ours, {n['b']} of TRL)"
+                  " | rloo_lightning | TRL RLOOTrainer | ours minus TRL (Welch) |", "|---|---|---|---|"]
+        for name, w in summary["late_dashboard_a_minus_b_by_run"].items():
+            means = {x: statistics.fmean(r["late_dashboard"][name] for r in summary["systems"][x]["runs"]
+                                         if r["late_dashboard"]) for x in ("a", "b")}
+            lines.append(f"| {DASHBOARD_LABELS[name]} | {means['a']:.3f} | {means['b']:.3f} | {w['mean']:+.3f} "
+                         f"[{w['ci95'][0]:+.3f}, {w['ci95'][1]:+.3f}] |")
     if "difference_by_step" in summary:
         by_step = summary["difference_by_step"]
         lines += ["", "| mean over seeds, ours minus TRL | " + " | ".join(f"step {d['step']}" for d in by_step) + " |",

@@ -161,3 +161,29 @@ def test_our_runs_record_each_steps_dashboard_and_the_snapshot(tmp_path):
                                     "clipped_ratio": [0.125, 0.0], "entropy": [pytest.approx(0.7), None]}
     assert [s["step"] for s in out["snapshots"]] == [2] and not (tmp_path / "step1.pt").exists()
     assert torch.equal(torch.load(tmp_path / "step2.pt")["weight"], policy.weight)
+
+
+def test_late_dashboard_puts_both_systems_kl_per_sequence_and_compares_runs():
+    """Steps 26-50 of each run's dashboard: TRL's per-token KL times its mean length is the KL per sequence that
+    ours logs; the summary compares the systems run by run when each has two runs with a dashboard."""
+    def run(system, seed, kl, length, reward):
+        r = _run(system, seed, [1, seed, 1, 1])
+        r["train_reward"] = [0.0] * 25 + [reward] * 25
+        r["train_metrics"] = {"kl": [None] * 25 + [kl] * 25, "completion_length": [40.0] * 25 + [length] * 25,
+                              "clipped_ratio": [0.5] * 50, "entropy": [0.4] * 49 + [None]}
+        return r
+
+    runs = {"a_seed0": run("a", 0, 2.0, 30.0, 0.4), "a_seed1": run("a", 1, 3.0, 32.0, 0.5),
+            "b_seed0": run("b", 0, 0.1, 30.0, 0.5), "b_seed1": run("b", 1, 0.1, 34.0, 0.6)}
+    assert lp.late_dashboard(runs["b_seed1"])["kl"] == pytest.approx(3.4)  # 0.1 nats a token, 34 tokens
+    assert lp.late_dashboard(runs["a_seed1"]) == {"kl": 3.0, "completion_length": 32.0, "clipped_ratio": 0.5,
+                                                  "entropy": 0.4, "reward": 0.5}
+    assert lp.late_dashboard(_run("a", 2, [1, 0, 1, 1])) is None  # recorded before the dashboards were kept
+    summary = lp.summarize(runs, {"correct": [0, 0, 1, 0]}, [0, 1, 2, 3])
+    late = summary["late_dashboard_a_minus_b_by_run"]
+    assert late["kl"]["mean"] == pytest.approx(2.5 - 3.2)
+    assert late["reward"]["mean"] == pytest.approx(-0.1) and late["completion_length"]["mean"] == pytest.approx(-1.0)
+    table = lp.markdown_of({"summary": summary, "eval_steps": [10, 20], "steps": 50})
+    assert "| KL to the reference, nats per sequence | 2.500 | 3.200 | -0.700" in table
+    runs.pop("b_seed1")
+    assert "late_dashboard_a_minus_b_by_run" not in lp.summarize(runs, {"correct": [0, 0, 1, 0]}, [0, 1, 2, 3])
