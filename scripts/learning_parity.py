@@ -502,6 +502,11 @@ def markdown(path: str) -> str:
     return markdown_of(json.loads(Path(path).read_text()))
 
 
+def _welch_label(w: dict) -> str:
+    """How a :func:`_welch` result is named in a table: its t and degrees of freedom, when the runs spread."""
+    return "Welch, no spread" if w["t"] is None else f"Welch, t = {w['t']:+.2f}, {w['df']:.1f} df"
+
+
 def markdown_of(data: dict) -> str:
     """The tables of a results record (its ``summary`` and ``eval_steps``)."""
     summary = data["summary"]
@@ -528,13 +533,13 @@ def markdown_of(data: dict) -> str:
                      f"{'yes' if summary['difference_within_0.05'] else 'no'} |")
     if "difference_by_run" in summary:
         w = summary["difference_by_run"]
-        lines.append(f"| the same, each run one observation (Welch, t = {w['t']:+.2f}, {w['df']:.1f} df) | "
+        lines.append(f"| the same, each run one observation ({_welch_label(w)}) | "
                      f"{w['mean']:+.3f} | [{w['ci95'][0]:+.3f}, {w['ci95'][1]:+.3f}] | not stated in advance | – |")
     for other in ("a", "b"):
         if f"difference_h_minus_{other}_by_run" in summary:
             w = summary[f"difference_h_minus_{other}_by_run"]
-            lines.append(f"| final accuracy, HF generate sampler minus {SYSTEMS[other]} (Welch, t = {w['t']:+.2f}, "
-                         f"{w['df']:.1f} df) | {w['mean']:+.3f} | [{w['ci95'][0]:+.3f}, {w['ci95'][1]:+.3f}] | "
+            lines.append(f"| final accuracy, HF generate sampler minus {SYSTEMS[other]} ({_welch_label(w)}) | "
+                         f"{w['mean']:+.3f} | [{w['ci95'][0]:+.3f}, {w['ci95'][1]:+.3f}] | "
                          "a diagnostic | – |")
     if "late_dashboard_a_minus_b_by_run" in summary:
         n = summary["late_dashboard_runs"]

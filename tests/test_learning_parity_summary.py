@@ -187,3 +187,13 @@ def test_late_dashboard_puts_both_systems_kl_per_sequence_and_compares_runs():
     assert "| KL to the reference, nats per sequence | 2.500 | 3.200 | -0.700" in table
     runs.pop("b_seed1")
     assert "late_dashboard_a_minus_b_by_run" not in lp.summarize(runs, {"correct": [0, 0, 1, 0]}, [0, 1, 2, 3])
+
+
+def test_tables_name_a_comparison_without_spread():
+    """Runs alike on each side (every final the same) give a zero-width Welch interval, which the table names
+    instead of formatting a t that does not exist."""
+    runs = {f"{s}_seed{i}": _run(s, i, [1, 0, 1, 1] if s == "a" else [1, 1, 1, 1]) for s in "ab" for i in (0, 1)}
+    summary = lp.summarize(runs, {"correct": [0, 0, 1, 0]}, [0, 1, 2, 3])
+    assert summary["difference_by_run"]["ci95"] == [-0.25, -0.25] and summary["difference_by_run"]["t"] is None
+    assert "| the same, each run one observation (Welch, no spread) | -0.250 | [-0.250, -0.250] |" in lp.markdown_of(
+        {"summary": summary, "eval_steps": [10, 20], "steps": 50})
