@@ -502,6 +502,11 @@ def markdown(path: str) -> str:
     return markdown_of(json.loads(Path(path).read_text()))
 
 
+def _ci_text(w: dict) -> str:
+    """A result's 95 % interval as the tables print it: ``[-0.053, +0.018]``."""
+    return f"[{w['ci95'][0]:+.3f}, {w['ci95'][1]:+.3f}]"
+
+
 def _welch_label(w: dict) -> str:
     """How a :func:`_welch` result is named in a table: its t and degrees of freedom, when the runs spread."""
     return "Welch, no spread" if w["t"] is None else f"Welch, t = {w['t']:+.2f}, {w['df']:.1f} df"
@@ -524,23 +529,22 @@ def markdown_of(data: dict) -> str:
     lines += ["", "| | mean | 95 % interval | stated criterion | met |", "|---|---|---|---|---|"]
     for s in summary["systems"].values():
         imp = s["improvement_over_step0"]
-        lines.append(f"| {s['name']}: final minus step 0 | {imp['mean']:+.3f} | [{imp['ci95'][0]:+.3f}, "
-                     f"{imp['ci95'][1]:+.3f}] | interval above 0 | {'yes' if s['improves_significantly'] else 'no'} |")
+        lines.append(f"| {s['name']}: final minus step 0 | {imp['mean']:+.3f} | {_ci_text(imp)} | "
+                     f"interval above 0 | {'yes' if s['improves_significantly'] else 'no'} |")
     if "difference_a_minus_b" in summary:
         d = summary["difference_a_minus_b"]
-        lines.append(f"| final accuracy, rloo_lightning minus TRL | {d['mean']:+.3f} | [{d['ci95'][0]:+.3f}, "
-                     f"{d['ci95'][1]:+.3f}] | interval within ±0.05 | "
+        lines.append(f"| final accuracy, rloo_lightning minus TRL | {d['mean']:+.3f} | {_ci_text(d)} | "
+                     "interval within ±0.05 | "
                      f"{'yes' if summary['difference_within_0.05'] else 'no'} |")
     if "difference_by_run" in summary:
         w = summary["difference_by_run"]
         lines.append(f"| the same, each run one observation ({_welch_label(w)}) | "
-                     f"{w['mean']:+.3f} | [{w['ci95'][0]:+.3f}, {w['ci95'][1]:+.3f}] | not stated in advance | – |")
+                     f"{w['mean']:+.3f} | {_ci_text(w)} | not stated in advance | – |")
     for other in ("a", "b"):
         if f"difference_h_minus_{other}_by_run" in summary:
             w = summary[f"difference_h_minus_{other}_by_run"]
             lines.append(f"| final accuracy, HF generate sampler minus {SYSTEMS[other]} ({_welch_label(w)}) | "
-                         f"{w['mean']:+.3f} | [{w['ci95'][0]:+.3f}, {w['ci95'][1]:+.3f}] | "
-                         "a diagnostic | – |")
+                         f"{w['mean']:+.3f} | {_ci_text(w)} | a diagnostic | – |")
     if "late_dashboard_a_minus_b_by_run" in summary:
         n = summary["late_dashboard_runs"]
         lines += ["", f"| steps {LATE_FROM + 1}-{data['steps']}, mean of each run ({n['a']} of ours, {n['b']} of TRL)"
@@ -549,7 +553,7 @@ def markdown_of(data: dict) -> str:
             means = {x: statistics.fmean(r["late_dashboard"][name] for r in summary["systems"][x]["runs"]
                                          if r["late_dashboard"]) for x in ("a", "b")}
             lines.append(f"| {DASHBOARD_LABELS[name]} | {means['a']:.3f} | {means['b']:.3f} | {w['mean']:+.3f} "
-                         f"[{w['ci95'][0]:+.3f}, {w['ci95'][1]:+.3f}] |")
+                         f"{_ci_text(w)} |")
     if "difference_by_step" in summary:
         by_step = summary["difference_by_step"]
         lines += ["", "| mean over seeds, ours minus TRL | " + " | ".join(f"step {d['step']}" for d in by_step) + " |",
