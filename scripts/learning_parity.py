@@ -34,7 +34,9 @@ ours minus TRL, lies within ±0.05; (2) each system's final accuracy is above st
 excluding 0. Both intervals pair the systems on the same prompt: d_i is the prompt's correctness averaged
 over seeds (ours minus TRL, or final minus start) and the interval is mean(d) ± 1.96 sd(d)/sqrt(n). The
 run-to-run spread is reported beside it (each run's own accuracy), and so is a Welch interval with each run one
-observation (``difference_by_run``, the seed as the unit; not stated in advance). ``--summarize`` recomputes
+observation (``difference_by_run``, the seed as the unit; not stated in advance), and so is how much each
+system's runs spread (``spread_by_run``: standard deviations and a Brown-Forsythe permutation p, for the final
+accuracy and each late dashboard metric; not stated in advance either). ``--summarize`` recomputes
 a finished record's summary from its scores. Time to accuracy: the wall clock to the
 first snapshot whose accuracy is at or above the midpoint between step 0's and that run's final accuracy.
 """
@@ -45,6 +47,7 @@ import argparse
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -361,6 +364,22 @@ def _welch(a: list[float], b: list[float]) -> dict:
             "ci95": [round(mean - t * se, 4), round(mean + t * se, 4)]}
 
 
+def _spread(a: list[float], b: list[float], draws: int = 10_000, seed: int = 0) -> dict:
+    """How much more the runs of ``a`` spread than those of ``b``: each side's standard deviation, and the two-sided
+    p of the Brown-Forsythe comparison (each run's absolute deviation from its side's median; the difference of
+    the two sides' mean deviations against ``draws`` random relabellings of the runs, seeded so it reproduces).
+    Not stated in advance: a lead on where the systems differ, not a criterion."""
+    dev_a = [abs(x - statistics.median(a)) for x in a]
+    dev_b = [abs(x - statistics.median(b)) for x in b]
+    observed = abs(statistics.fmean(dev_a) - statistics.fmean(dev_b))
+    pool, rng, hits = dev_a + dev_b, random.Random(seed), 0
+    for _ in range(draws):
+        rng.shuffle(pool)
+        hits += abs(statistics.fmean(pool[:len(a)]) - statistics.fmean(pool[len(a):])) >= observed - 1e-12
+    return {"sd_a": round(statistics.stdev(a), 4), "sd_b": round(statistics.stdev(b), 4),
+            "p_brown_forsythe": round(hits / draws, 4), "runs": [len(a), len(b)]}
+
+
 def _prepare_gguf(workdir: Path, threads: int) -> str:
     """The SmolLM2 HF directory from the GGUF, as scripts/bench.py's own preparation builds it."""
     bench = Path(__file__).with_name("bench.py")
@@ -447,6 +466,8 @@ def summarize(runs: dict, start: dict, keep: list[int]) -> dict:
         runs_of = {x: out["systems"][x]["runs"] for x in ("a", "b")}
         if min(len(r) for r in runs_of.values()) > 1:  # not a stated criterion: reported beside it
             out["difference_by_run"] = _welch(*([r["final_accuracy"] for r in runs_of[x]] for x in ("a", "b")))
+            out["spread_by_run"] = {"final_accuracy": _spread(*([r["final_accuracy"] for r in runs_of[x]]
+                                                                for x in ("a", "b")))}
         out["difference_by_step"] = [  # mean over runs, ours minus TRL, at every scored step
             {"step": c["step"], "mean": round(statistics.fmean(r["curve"][j]["accuracy"] for r in runs_of["a"])
                                               - statistics.fmean(r["curve"][j]["accuracy"] for r in runs_of["b"]), 4)}
@@ -457,6 +478,9 @@ def summarize(runs: dict, start: dict, keep: list[int]) -> dict:
                 name: _welch([d[name] for d in late["a"]], [d[name] for d in late["b"]])
                 for name in late["a"][0] if all(d.get(name) is not None for d in late["a"] + late["b"])}
             out["late_dashboard_runs"] = {x: len(v) for x, v in late.items()}
+            out.setdefault("spread_by_run", {}).update({
+                name: _spread([d[name] for d in late["a"]], [d[name] for d in late["b"]])
+                for name in out["late_dashboard_a_minus_b_by_run"]})
     if "h" in finals:  # the sampler diagnostic, each run one observation
         runs_h = [r["final_accuracy"] for r in out["systems"]["h"]["runs"]]
         for other in ("a", "b"):
@@ -554,6 +578,14 @@ def markdown_of(data: dict) -> str:
                                          if r["late_dashboard"]) for x in ("a", "b")}
             lines.append(f"| {DASHBOARD_LABELS[name]} | {means['a']:.3f} | {means['b']:.3f} | {w['mean']:+.3f} "
                          f"{_ci_text(w)} |")
+    if "spread_by_run" in summary:
+        lines += ["", "| run-to-run spread (not stated in advance) | runs | sd, rloo_lightning | sd, TRL RLOOTrainer "
+                  "| Brown-Forsythe p |", "|---|---|---|---|---|"]
+        for name, w in summary["spread_by_run"].items():
+            label = "greedy accuracy at the last step" if name == "final_accuracy" else \
+                f"{DASHBOARD_LABELS[name]}, steps {LATE_FROM + 1}-{data['steps']}"
+            lines.append(f"| {label} | {w['runs'][0]} / {w['runs'][1]} | {w['sd_a']:.3f} | {w['sd_b']:.3f} | "
+                         f"{w['p_brown_forsythe']:.3f} |")
     if "difference_by_step" in summary:
         by_step = summary["difference_by_step"]
         lines += ["", "| mean over seeds, ours minus TRL | " + " | ".join(f"step {d['step']}" for d in by_step) + " |",

@@ -74,7 +74,28 @@ def test_run_level_interval_and_per_step_difference():
     assert [d["step"] for d in out["difference_by_step"]] == [0, 10, 20]
     assert [d["mean"] for d in out["difference_by_step"]] == [0.0, 0.0, pytest.approx(-0.375, abs=1e-4)]
     one_each = lp.summarize({"a_seed0": runs["a_seed0"], "b_seed0": runs["b_seed0"]}, start, [0, 1, 2, 3])
-    assert "difference_by_run" not in one_each  # one run a side has no spread to estimate
+    assert "difference_by_run" not in one_each and "spread_by_run" not in one_each  # no spread to estimate
+
+
+def test_spread_is_brown_forsythe_against_every_relabelling():
+    """The spread comparison's p, from random relabellings, is the exact permutation p (all 70 relabellings of
+    4 + 4 runs) up to its sampling error; runs alike on both sides give p = 1, one side scattered and the other
+    constant a p near its exact 2/12870."""
+    import itertools
+    import statistics
+
+    a, b = [0.0, 1.0, 2.0, 3.5], [1.4, 1.5, 1.6, 1.2]
+    dev = [abs(x - statistics.median(a)) for x in a] + [abs(x - statistics.median(b)) for x in b]
+    observed = abs(statistics.fmean(dev[:4]) - statistics.fmean(dev[4:]))
+    splits = list(itertools.combinations(range(8), 4))
+    exact = sum(abs(statistics.fmean(dev[i] for i in s) - statistics.fmean(dev[i] for i in range(8) if i not in s))
+                >= observed - 1e-12 for s in splits) / len(splits)
+    out = lp._spread(a, b)
+    assert 0.02 < exact < 0.5 and out["p_brown_forsythe"] == pytest.approx(exact, abs=0.02)
+    assert out["sd_a"] == pytest.approx(statistics.stdev(a), abs=1e-4) and out["runs"] == [4, 4]
+    assert lp._spread(a, b) == out  # seeded: the record reproduces
+    assert lp._spread([0.7, 0.7], [0.7, 0.7])["p_brown_forsythe"] == 1.0
+    assert lp._spread([0.0, 1.0] * 4, [0.5] * 8)["p_brown_forsythe"] < 0.002
 
 
 def test_sampler_diagnostic_runs_sit_beside_the_two_systems():
@@ -185,6 +206,11 @@ def test_late_dashboard_puts_both_systems_kl_per_sequence_and_compares_runs():
     assert late["reward"]["mean"] == pytest.approx(-0.1) and late["completion_length"]["mean"] == pytest.approx(-1.0)
     table = lp.markdown_of({"summary": summary, "eval_steps": [10, 20], "steps": 50})
     assert "| KL to the reference, nats per sequence | 2.500 | 3.200 | -0.700" in table
+    spread = summary["spread_by_run"]
+    assert set(spread) == {"final_accuracy", "kl", "completion_length", "clipped_ratio", "entropy", "reward"}
+    assert spread["kl"]["sd_a"] == pytest.approx(2 ** -0.5, abs=1e-4) and spread["kl"]["sd_b"] == pytest.approx(
+        (2 * 0.2 ** 2) ** 0.5, abs=1e-4)  # KL per sequence 3.0 and 3.4 for TRL's runs
+    assert "| KL to the reference, nats per sequence, steps 26-50 | 2 / 2 | 0.707 | 0.283 |" in table
     runs.pop("b_seed1")
     assert "late_dashboard_a_minus_b_by_run" not in lp.summarize(runs, {"correct": [0, 0, 1, 0]}, [0, 1, 2, 3])
 
