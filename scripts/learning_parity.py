@@ -417,6 +417,23 @@ def late_dashboard(run: dict) -> dict | None:
     return out
 
 
+def difference_by_seed_count(a: dict[int, list[int]], b: dict[int, list[int]]) -> list[dict]:
+    """Ours minus TRL as the seeds came in: for the first k seeds that both systems ran (k = 2 .. all), the
+    prompt-paired interval (criterion 1's) and the run-level Welch interval. ``a``, ``b``: seed -> the final
+    snapshot's 0/1 scores on the kept prompts. Shows whether a verdict holds or hangs on the last runs."""
+    seeds = sorted(set(a) & set(b))
+    rows = []
+    for k in range(2, len(seeds) + 1):
+        first = seeds[:k]
+        mean_a = [statistics.fmean(c) for c in zip(*(a[s] for s in first))]
+        mean_b = [statistics.fmean(c) for c in zip(*(b[s] for s in first))]
+        paired = _interval([x - y for x, y in zip(mean_a, mean_b)])
+        by_run = _welch([statistics.fmean(a[s]) for s in first], [statistics.fmean(b[s]) for s in first])
+        within = -0.05 <= paired["ci95"][0] and paired["ci95"][1] <= 0.05
+        rows.append({"seeds": k, "paired": paired, "within_0.05": within, "by_run": by_run})
+    return rows
+
+
 def summarize(runs: dict, start: dict, keep: list[int]) -> dict:
     """Accuracies, the two stated intervals and time to accuracy, from the scored snapshots.
 
@@ -429,6 +446,7 @@ def summarize(runs: dict, start: dict, keep: list[int]) -> dict:
     start_acc = acc(start["correct"])
     out: dict = {"step0_accuracy": round(start_acc, 4), "systems": {}}
     finals: dict[str, list[list[int]]] = {}
+    mine_of: dict[str, list[dict]] = {}
     for system in SYSTEMS:
         mine = [r for r in runs.values() if r["system"] == system]
         if not mine:
@@ -449,6 +467,7 @@ def summarize(runs: dict, start: dict, keep: list[int]) -> dict:
                             "peak_rss_mb": round(r["peak_rss_mb"]), "train_reward": r["train_reward"],
                             "late_dashboard": late_dashboard(r)})
         finals[system] = [[r["snapshots"][-1]["correct"][i] for i in keep] for r in mine]
+        mine_of[system] = mine
         mean_final = [statistics.fmean(c) for c in zip(*finals[system])]
         out["systems"][system] = {
             "name": SYSTEMS[system], "runs": per_run,
@@ -468,6 +487,8 @@ def summarize(runs: dict, start: dict, keep: list[int]) -> dict:
             out["difference_by_run"] = _welch(*([r["final_accuracy"] for r in runs_of[x]] for x in ("a", "b")))
             out["spread_by_run"] = {"final_accuracy": _spread(*([r["final_accuracy"] for r in runs_of[x]]
                                                                 for x in ("a", "b")))}
+        out["difference_by_seed_count"] = difference_by_seed_count(
+            *({r["seed"]: f for r, f in zip(mine_of[x], finals[x])} for x in ("a", "b")))
         out["difference_by_step"] = [  # mean over runs, ours minus TRL, at every scored step
             {"step": c["step"], "mean": round(statistics.fmean(r["curve"][j]["accuracy"] for r in runs_of["a"])
                                               - statistics.fmean(r["curve"][j]["accuracy"] for r in runs_of["b"]), 4)}
@@ -586,6 +607,12 @@ def markdown_of(data: dict) -> str:
                 f"{DASHBOARD_LABELS[name]}, steps {LATE_FROM + 1}-{data['steps']}"
             lines.append(f"| {label} | {w['runs'][0]} / {w['runs'][1]} | {w['sd_a']:.3f} | {w['sd_b']:.3f} | "
                          f"{w['p_brown_forsythe']:.3f} |")
+    if summary.get("difference_by_seed_count"):
+        lines += ["", "| seeds a side (the first k both ran) | ours minus TRL | paired interval (stated) | "
+                  "within ±0.05 | Welch interval, by run |", "|---|---|---|---|---|"]
+        for row in summary["difference_by_seed_count"]:
+            lines.append(f"| {row['seeds']} | {row['paired']['mean']:+.3f} | {_ci_text(row['paired'])} | "
+                         f"{'yes' if row['within_0.05'] else 'no'} | {_ci_text(row['by_run'])} |")
     if "difference_by_step" in summary:
         by_step = summary["difference_by_step"]
         lines += ["", "| mean over seeds, ours minus TRL | " + " | ".join(f"step {d['step']}" for d in by_step) + " |",

@@ -223,3 +223,23 @@ def test_tables_name_a_comparison_without_spread():
     assert summary["difference_by_run"]["ci95"] == [-0.25, -0.25] and summary["difference_by_run"]["t"] is None
     assert "| the same, each run one observation (Welch, no spread) | -0.250 | [-0.250, -0.250] |" in lp.markdown_of(
         {"summary": summary, "eval_steps": [10, 20], "steps": 50})
+
+
+def test_difference_by_seed_count_recomputes_the_intervals_on_the_first_seeds():
+    start = {"correct": [0, 0, 0, 0, 0]}
+    finals_a = [[1, 1, 0, 0, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [0, 1, 1, 1, 1]]
+    finals_b = [[1, 1, 1, 1, 0], [1, 1, 1, 0, 1], [0, 1, 1, 0, 1]]
+    runs = {f"a_seed{i}": _run("a", i, f) for i, f in enumerate(finals_a)}  # ours' seed 3 has no TRL pair yet
+    runs.update({f"b_seed{i}": _run("b", i, f) for i, f in enumerate(finals_b)})
+    keep = [0, 1, 2, 3, 4]
+    rows = lp.summarize(runs, start, keep)["difference_by_seed_count"]
+    assert [r["seeds"] for r in rows] == [2, 3]  # seeds both systems ran, two at least
+    three = lp.summarize({k: v for k, v in runs.items() if k != "a_seed3"}, start, keep)
+    assert rows[-1]["paired"] == three["difference_a_minus_b"]
+    assert rows[-1]["by_run"] == three["difference_by_run"]
+    assert rows[-1]["within_0.05"] == three["difference_within_0.05"]
+    two = lp.summarize({k: v for k, v in runs.items() if k[-1] in "01"}, start, keep)
+    assert rows[0]["paired"] == two["difference_a_minus_b"] and rows[0]["by_run"] == two["difference_by_run"]
+    assert rows[0]["paired"]["mean"] == pytest.approx((0.6 + 0.6) / 2 - (0.8 + 0.8) / 2, abs=1e-4)
+    table = lp.markdown_of({"summary": three, "eval_steps": [10, 20], "steps": 20})
+    assert "| 3 | " + f"{three['difference_a_minus_b']['mean']:+.3f} | " in table
