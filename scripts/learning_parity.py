@@ -417,6 +417,11 @@ def late_dashboard(run: dict) -> dict | None:
     return out
 
 
+def _within_margin(interval: dict) -> bool:
+    """Criterion 1's test: the whole 95 % interval lies within ±0.05."""
+    return -0.05 <= interval["ci95"][0] and interval["ci95"][1] <= 0.05
+
+
 def difference_by_seed_count(a: dict[int, list[int]], b: dict[int, list[int]]) -> list[dict]:
     """Ours minus TRL as the seeds came in: for the first k seeds that both systems ran (k = 2 .. all), the
     prompt-paired interval (criterion 1's) and the run-level Welch interval. ``a``, ``b``: seed -> the final
@@ -429,8 +434,7 @@ def difference_by_seed_count(a: dict[int, list[int]], b: dict[int, list[int]]) -
         mean_b = [statistics.fmean(c) for c in zip(*(b[s] for s in first))]
         paired = _interval([x - y for x, y in zip(mean_a, mean_b)])
         by_run = _welch([statistics.fmean(a[s]) for s in first], [statistics.fmean(b[s]) for s in first])
-        within = -0.05 <= paired["ci95"][0] and paired["ci95"][1] <= 0.05
-        rows.append({"seeds": k, "paired": paired, "within_0.05": within, "by_run": by_run})
+        rows.append({"seeds": k, "paired": paired, "within_0.05": _within_margin(paired), "by_run": by_run})
     return rows
 
 
@@ -446,7 +450,7 @@ def summarize(runs: dict, start: dict, keep: list[int]) -> dict:
     start_acc = acc(start["correct"])
     out: dict = {"step0_accuracy": round(start_acc, 4), "systems": {}}
     finals: dict[str, list[list[int]]] = {}
-    mine_of: dict[str, list[dict]] = {}
+    scores_by_seed: dict[str, dict[int, list[int]]] = {}
     for system in SYSTEMS:
         mine = [r for r in runs.values() if r["system"] == system]
         if not mine:
@@ -467,7 +471,7 @@ def summarize(runs: dict, start: dict, keep: list[int]) -> dict:
                             "peak_rss_mb": round(r["peak_rss_mb"]), "train_reward": r["train_reward"],
                             "late_dashboard": late_dashboard(r)})
         finals[system] = [[r["snapshots"][-1]["correct"][i] for i in keep] for r in mine]
-        mine_of[system] = mine
+        scores_by_seed[system] = {r["seed"]: f for r, f in zip(mine, finals[system])}
         mean_final = [statistics.fmean(c) for c in zip(*finals[system])]
         out["systems"][system] = {
             "name": SYSTEMS[system], "runs": per_run,
@@ -481,14 +485,13 @@ def summarize(runs: dict, start: dict, keep: list[int]) -> dict:
         b = [statistics.fmean(c) for c in zip(*finals["b"])]
         diff = _interval([x - y for x, y in zip(a, b)])
         out["difference_a_minus_b"] = diff
-        out["difference_within_0.05"] = diff["ci95"][0] >= -0.05 and diff["ci95"][1] <= 0.05
+        out["difference_within_0.05"] = _within_margin(diff)
         runs_of = {x: out["systems"][x]["runs"] for x in ("a", "b")}
         if min(len(r) for r in runs_of.values()) > 1:  # not a stated criterion: reported beside it
             out["difference_by_run"] = _welch(*([r["final_accuracy"] for r in runs_of[x]] for x in ("a", "b")))
             out["spread_by_run"] = {"final_accuracy": _spread(*([r["final_accuracy"] for r in runs_of[x]]
                                                                 for x in ("a", "b")))}
-        out["difference_by_seed_count"] = difference_by_seed_count(
-            *({r["seed"]: f for r, f in zip(mine_of[x], finals[x])} for x in ("a", "b")))
+        out["difference_by_seed_count"] = difference_by_seed_count(scores_by_seed["a"], scores_by_seed["b"])
         out["difference_by_step"] = [  # mean over runs, ours minus TRL, at every scored step
             {"step": c["step"], "mean": round(statistics.fmean(r["curve"][j]["accuracy"] for r in runs_of["a"])
                                               - statistics.fmean(r["curve"][j]["accuracy"] for r in runs_of["b"]), 4)}
