@@ -506,19 +506,31 @@ class EnvironmentArgs:
         max_turns: the most policy turns of an episode. An episode still going after them ends, flagged
             truncated; the environment still scores it.
         max_context_tokens: the most tokens of prompt plus transcript. An episode whose next turn (of up to
-            ``sampling.max_new_tokens``) could pass it ends before that turn, flagged truncated. None = no limit
-            (the model's context is then the user's to respect).
-        on_error: what an exception raised by the environment does: ``raise`` (an error naming the environment,
-            the prompt row and the turn), ``none`` (the episode ends with a missing reward: it leaves its
-            group's baseline and the loss) or a number (the episode ends with that reward). A warning names
-            the environment and the prompt each time.
+            ``sampling.max_new_tokens``) could pass it ends before that turn, cut by ``context``. None = the
+            model's context (its config's ``max_position_embeddings``; no limit for a model that states none).
+        max_reply_tokens: the most tokens of one environment or tool message's content; a longer one is cut to
+            its first ``max_reply_tokens`` tokens (``train/replies_cut`` counts them per episode).
+        timeout: seconds one environment call (``reset``, ``step``, ``final_reward``, ``metrics``, ``close``) may
+            run. A call past it is abandoned (it runs on in a background thread; the object is never called
+            again) and its episode is scored by ``on_error``. None = no limit: a call that hangs hangs the run.
+        workers: how many episodes' calls run at once, in threads (a turn's ``step`` calls, the resets, ...).
+            Transcripts are the same for any number. Raise it for environments that wait (sandboxes, services);
+            their state must then be their own (not shared between objects).
+        on_error: what an environment failure does (an exception, a call past ``timeout``, or a malformed
+            answer: an observation that is not a Message, a reward that is not a finite number): ``raise`` (an
+            error naming the environment, the call, the prompt row, the sample and the turn), ``none`` (the
+            episode ends with a missing reward: it leaves its group's baseline and the loss) or a number (the
+            episode ends with that reward). One warning line per step counts the failures; each is logged in full
+            to the ``rloo_lightning`` logger.
         reply_format: for a tokenizer without a chat template, the text appended after the policy's turn for
             an environment message: a ``str.format`` pattern with ``{content}`` (and optionally ``{role}``).
             With a chat template the template's own markers are used.
 
-    Cut episodes (``max_turns``, the context budget, or a turn that reached ``sampling.max_new_tokens``) are
-    ``truncated``: ``shaping.mask_truncated_completions`` leaves them out of the loss and of their group's
-    baseline, as it does a single-turn completion without EOS.
+    Each episode carries ``cut_by``: ``none``, ``max_new_tokens`` (a turn, the last included, ended without an
+    end-of-turn token, also when the environment ended the episode on it), ``max_turns`` or ``context``; each
+    kind's share is logged as ``train/cut/<kind>``. Every cut episode is ``truncated``:
+    ``shaping.mask_truncated_completions`` leaves it out of the loss and of its group's baseline. Only
+    ``max_new_tokens`` counts as a missing EOS (``shaping.missing_eos_penalty``, ``train/clipped_ratio``).
     """
 
     prefix: ClassVar[str] = "environment"
@@ -526,6 +538,9 @@ class EnvironmentArgs:
     init_args: dict = field(default_factory=dict)
     max_turns: int = 4
     max_context_tokens: int | None = None
+    max_reply_tokens: int = 1024
+    timeout: float | None = 60.0
+    workers: int = 1
     on_error: str | float = "raise"
     reply_format: str = "\n{role}: {content}\nassistant: "
 
@@ -539,6 +554,14 @@ class EnvironmentArgs:
             raise ValueError(f"environment.max_turns must be >= 1, got {self.max_turns}")
         if self.max_context_tokens is not None and self.max_context_tokens < 1:
             raise ValueError(f"environment.max_context_tokens must be >= 1 or null, got {self.max_context_tokens}")
+        if isinstance(self.max_reply_tokens, bool) or not isinstance(self.max_reply_tokens, int) \
+                or self.max_reply_tokens < 1:
+            raise ValueError(f"environment.max_reply_tokens must be an integer >= 1, got {self.max_reply_tokens!r}")
+        if self.timeout is not None and (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
+                                         or not math.isfinite(self.timeout) or self.timeout <= 0):
+            raise ValueError(f"environment.timeout must be a number of seconds > 0, or null, got {self.timeout!r}")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"environment.workers must be an integer >= 1, got {self.workers!r}")
         parse_on_error("environment.on_error", self.on_error)
         try:
             self.reply_format.format(role="user", content="x")

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from rloo_lightning.advantages import group_std
 from rloo_lightning.logprobs import masked_sum
+from rloo_lightning.multiturn import CUT_KINDS
 
 __all__ = [
     "train_metric_sums",
@@ -125,7 +126,7 @@ def train_metric_sums(rollout, entropy: Tensor, loss: Tensor) -> dict[str, tuple
         "train/zero_std_groups": ((stds == 0).sum(), num_groups),
         "train/advantage_abs": (rollout.advantages.abs().sum(), rows),
         "train/completion_length": (mask.sum(), rows),
-        "train/clipped_ratio": (rollout.truncated.sum(), rows),
+        "train/clipped_ratio": (rollout.missing_eos.sum(), rows),
         "train/entropy": (masked_sum(entropy, mask).sum(), mask.sum()),
         "train/loss": (loss.detach(), torch.tensor(1.0)),
     }
@@ -150,8 +151,11 @@ def train_metric_sums(rollout, entropy: Tensor, loss: Tensor) -> dict[str, tuple
         sums["train/truncated_episodes"] = (rollout.truncated.sum(), rows)
         sums["train/policy_tokens"] = (mask.sum(), rows)
         sums["train/env_tokens"] = ((context - mask).sum(), rows)
-        for name, values in rollout.env_metrics.items():  # the environment's own, per episode
-            sums[f"train/{name}"] = (values.float().sum(), rows)
+        for kind in CUT_KINDS:  # why episodes were cut, each kind's share
+            sums[f"train/cut/{kind}"] = (rows.new_tensor(float(sum(c == kind for c in rollout.cut_by or []))), rows)
+        for name, values in rollout.env_metrics.items():  # the environment's own, per episode that did not fail
+            ok = ~torch.isnan(values.float())
+            sums[f"train/{name}"] = (torch.nan_to_num(values.float()).sum(), ok.sum())
     for name, values in rollout.scores.items():
         ok = ~torch.isnan(values)
         sums[f"train/score/{name}"] = (torch.nan_to_num(values).sum(), ok.sum())

@@ -150,7 +150,13 @@ def context_length(name_or_path: str, gguf_file: str | None = None, trust_remote
     """The model's maximum sequence length from its config (``max_position_embeddings``), if any."""
     path = resolve_model_path(name_or_path)
     _check_model_dir(name_or_path, path, gguf_file, "model", ("config.json",))
-    cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **_gguf(gguf_file))
+    return config_context(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **_gguf(gguf_file)))
+
+
+def config_context(cfg) -> int | None:
+    """The maximum sequence length a model config states (``max_position_embeddings`` or its synonyms), if any."""
+    if cfg is None:
+        return None
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = cfg.to_dict().get(key)

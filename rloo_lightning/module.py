@@ -334,7 +334,7 @@ class RLOOModule(LightningModule):
             rollout.rewards = total.to(self.device)
             rollout.scores = {name: v.to(self.device) for name, v in per_func.items()}
             if shape:  # validation metrics use the unshaped reward
-                rollout.rewards = shape_rewards(rollout.rewards, rollout.completion_mask, rollout.truncated,
+                rollout.rewards = shape_rewards(rollout.rewards, rollout.completion_mask, rollout.missing_eos,
                                                 self.cfg.shaping, self.cfg.sampling.max_new_tokens)
 
     def logprobs(self, model: torch.nn.Module, rollout: Rollout, rows: slice = slice(None),

@@ -66,7 +66,10 @@ class Rollout:
         final_turn_ids: each episode's last policy turn, as sampled (the reward functions' ``completion_ids``).
         env_rewards: ``[B]`` the environment's reward of each episode (NaN: missing, ``environment.on_error``).
         turns: ``[B]`` policy turns of each episode.
-        env_metrics: ``{name: [B]}`` the environment's per-episode metrics (``Environment.metric_names``).
+        env_metrics: ``{name: [B]}`` the environment's per-episode metrics (``Environment.metric_names``; NaN for
+            an episode that failed), and the package's ``replies_cut``.
+        cut_by: each episode's ``cut_by`` (``none``, ``max_new_tokens``, ``max_turns``, ``context``); None for a
+            single-turn rollout, whose ``truncated`` is its missing EOS.
     """
 
     k: int
@@ -97,10 +100,20 @@ class Rollout:
     env_rewards: Tensor | None = None
     turns: Tensor | None = None
     env_metrics: dict[str, Tensor] = field(default_factory=dict)
+    cut_by: list[str] | None = None
 
     @property
     def num_prompts(self) -> int:
         return self.completion_ids.shape[0] // self.k
+
+    @property
+    def missing_eos(self) -> Tensor:
+        """``[B]`` bool: the completion (an episode: one of its turns) ended without an end-of-turn token. For a
+        single-turn rollout this is ``truncated``; an episode cut by ``max_turns`` or the context budget has its
+        end tokens and is not counted."""
+        if self.cut_by is None:
+            return self.truncated
+        return torch.tensor([kind == "max_new_tokens" for kind in self.cut_by], device=self.truncated.device)
 
     def completion_token_lists(self) -> list[list[int]]:
         """Each completion's token ids, up to and including its EOS (an episode's: its last policy turn)."""
@@ -154,6 +167,7 @@ def concat_groups(parts: list[tuple[Rollout, list[int]]], pad_token_id: int) -> 
         env_rewards=None if rows[0][0].env_rewards is None else cat(lambda r: r.env_rewards),
         turns=None if rows[0][0].turns is None else cat(lambda r: r.turns),
         env_metrics={n: cat(lambda r, n=n: r.env_metrics[n]) for n in rows[0][0].env_metrics},
+        cut_by=None if rows[0][0].cut_by is None else [r.cut_by[i] for r, idx in rows for i in idx],
     )
 
 

@@ -346,7 +346,9 @@ def test_the_readme_environment_runs_as_written(tiny_model_dir, tmp_path, monkey
     sys.modules.pop("my_env", None)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     m = _module(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tok,
-                {"class_path": "my_env.Hint", "reply_format": "={content}="}, rewards={"funcs": [REVERSE]})
+                {"class_path": "my_env.Hint", "reply_format": "={content}=",
+                 "max_context_tokens": 64},  # the tiny model's own context (32) would cut the second turn
+                rewards={"funcs": [REVERSE]})
     batch = prompt_batch(tok)
     batch["columns"] = {"answer": [p[:-1][::-1] for p in batch["prompt"]]}
     rollout = m.sample(batch, 4, seed=0)

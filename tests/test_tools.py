@@ -164,7 +164,7 @@ def _tool_module(turns, **groups):
     m = RLOOModule("x", rewards={"funcs": ["rloo_lightning.tasks.arithmetic.reward"]},
                    environment={"class_path": "rloo_lightning.environments.tools.ToolEnvironment",
                                 "init_args": {"tools": [CALC], "timeout": None}, "max_turns": 3,
-                                "reply_format": "|{content}|"},
+                                "reply_format": "|{content}|", "max_context_tokens": 1024},  # past the model's 256
                    sampling={"k": 2, "max_new_tokens": 120}, validation={"at_start": False}, kl={"beta": 0.1},
                    generation_engine=Scripted(turns), **groups)
     m.attach(model, tok)

@@ -27,7 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-__all__ = ["EnvStep", "Environment", "Message", "PolicyTurn"]
+__all__ = ["EnvStep", "Environment", "EnvironmentConfigError", "Message", "PolicyTurn"]
+
+
+class EnvironmentConfigError(ValueError):
+    """An environment or a tool is configured wrongly: it cannot be imported, its ``init_args`` do not fit, its
+    chat template cannot carry its messages, or ``data.tools`` differs from its tools. Raised before training."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,9 @@ class PolicyTurn:
 
     Attributes:
         token_ids: the sampled tokens, exactly as sampled, up to and including the end-of-turn token.
-        text: their decoded text, without special tokens.
+        text: their decoded text, without the tokenizer's control tokens (end-of-turn, BOS, padding, unknown).
+            Every other token is kept as text, so a call marker that the tokenizer marks special (``<tool_call>``)
+            reaches the environment.
         index: the turn's number in its episode, from 0.
         ended: True if the turn ended with an end-of-turn token. False if it was cut by
             ``sampling.max_new_tokens``.
@@ -59,6 +66,13 @@ class PolicyTurn:
 @dataclass
 class EnvStep:
     """The environment's answer to one policy turn.
+
+    What is checked (anything else fails the episode, as ``environment.on_error`` says): ``observation`` is a
+    :class:`Message` whose ``role`` is a plain name (letters, digits, ``_ . -``) and whose ``content`` is a ``str``,
+    or None; ``reward`` is a finite number (NaN is an error, never a silent missing reward); ``done`` is a bool.
+
+    The observation's content is data: special tokens in it are encoded as plain text, and it is cut to
+    ``environment.max_reply_tokens`` tokens.
 
     Attributes:
         observation: the next message the policy sees. ``None`` ends the episode, as ``done`` does.
@@ -80,12 +94,33 @@ class Environment:
     An episode is seeded from (seed, rank, step, the prompt's dataset row index, the sample index). Draw every
     random choice from the seed :meth:`reset` receives. A resumed run then replays its episodes exactly.
 
+    Each call runs within ``environment.timeout`` seconds, in a thread, up to ``environment.workers`` episodes'
+    calls at a time: keep an episode's state on its object (not in globals or on the class), so that concurrent
+    episodes do not share it. A call past the timeout is abandoned (the object is never called again, not even
+    :meth:`close`); one that raises or returns something malformed ends its episode as ``environment.on_error``
+    says.
+
     Attributes:
         metric_names: the numbers :meth:`metrics` reports per episode, logged as ``train/<name>`` (their mean
             over the step's episodes). Declared on the class, so that every rank logs the same names.
     """
 
     metric_names: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def check_init_args(cls, init_args: dict) -> None:
+        """Check ``environment.init_args`` before any model is loaded; raise :class:`EnvironmentConfigError`.
+
+        The default checks that the class's constructor accepts them. Override it to check more (as
+        :class:`~rloo_lightning.environments.tools.ToolEnvironment` imports its tools); call ``super()`` first.
+        """
+        import inspect
+
+        try:
+            inspect.signature(cls).bind(**init_args)
+        except TypeError as err:
+            raise EnvironmentConfigError(f"environment.init_args {init_args!r} do not fit {cls.__name__}: {err}"
+                                         ) from None
 
     def reset(self, row: dict, seed: int) -> None:
         """Start the episode.
@@ -101,15 +136,17 @@ class Environment:
         raise NotImplementedError(f"{type(self).__name__}.step")
 
     def final_reward(self, truncated: bool) -> float:
-        """A reward added once the episode is over (default 0).
+        """A reward added once the episode is over (default 0). It must be a finite number.
 
-        ``truncated`` is True when ``max_turns`` or the context budget cut the episode. The environment
-        still scores a cut episode.
+        ``truncated`` is True when the episode was cut, by any of the kinds of ``cut_by``: a turn that reached
+        ``sampling.max_new_tokens`` without an end-of-turn token, ``environment.max_turns``, or the context budget.
+        The environment still scores a cut episode. Not called for an episode that failed.
         """
         return 0.0
 
     def metrics(self) -> dict[str, float]:
-        """This episode's values of :attr:`metric_names` (a name left out counts 0), read once it is over."""
+        """This episode's values of :attr:`metric_names` (a name left out counts 0), read once it is over; not
+        read for an episode that failed (its metrics are left out of the step's means)."""
         return {}
 
     def close(self) -> None:
