@@ -31,23 +31,24 @@ def mismatch_sums(logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[str,
     Args:
         logp: ``[B, T]`` log pi_theta of the sampled tokens (the training forward, at the sampling temperature).
         sampler_logp: ``[B, T]`` log pi_s of the same tokens, as the engine reported them.
-        mask: ``[B, T]`` completion mask.
+        mask: ``[B, T]`` completion mask; values off it are ignored (even ``inf`` or ``NaN``).
 
     Returns:
         ``mismatch/kl_k1``, ``mismatch/kl_k3`` (per token), ``mismatch/ratio_outside_<lo>_<hi>`` (fraction of
         tokens), ``mismatch/seq_log_ratio`` (mean of log w per sequence) and ``mismatch/seq_log_ratio_sq`` (its
         mean square: the spread of the sequence weights), each ``(sum, count)`` for an exact mean over ranks.
     """
-    mask = mask.float()
-    delta = (logp.detach().float() - sampler_logp.float()) * mask  # log r_t, 0 off the mask
+    m, mask = mask.bool(), mask.float()
+    # Select, never multiply: a masked inf or NaN log-ratio times 0 is NaN. log r_t, 0 off the mask.
+    delta = torch.where(m, logp.detach().float() - sampler_logp.float(), torch.zeros_like(mask))
     tokens, rows = mask.sum(), torch.tensor(float(mask.shape[0]), device=mask.device)
     ratio = torch.exp(delta)
     sums = {
         "mismatch/kl_k1": ((-delta).sum(), tokens),
-        "mismatch/kl_k3": (((ratio - 1 - delta) * mask).sum(), tokens),
+        "mismatch/kl_k3": (torch.where(m, ratio - 1 - delta, torch.zeros_like(delta)).sum(), tokens),
     }
     for lo, hi in RATIO_BANDS:
-        outside = ((ratio < lo) | (ratio > hi)).float() * mask
+        outside = torch.where(m, ((ratio < lo) | (ratio > hi)).float(), torch.zeros_like(ratio))
         sums[f"mismatch/ratio_outside_{lo}_{hi}"] = (outside.sum(), tokens)
     seq = delta.sum(1)
     sums["mismatch/seq_log_ratio"] = (seq.sum(), rows)
@@ -72,8 +73,10 @@ def importance_weights(logp: Tensor, sampler_logp: Tensor, mask: Tensor, level: 
     """
     if level not in ("sequence", "token"):
         raise ValueError(f"level must be 'sequence' or 'token', got {level!r}")
-    mask = mask.float()
-    log_ratio = (logp.detach().float() - sampler_logp.float()) * mask
+    m = mask.bool()
+    # Select, never multiply: a masked inf or NaN log-ratio times 0 is NaN (and poisons a sequence's sum).
+    log_ratio = logp.detach().float() - sampler_logp.float()
+    log_ratio = torch.where(m, log_ratio, torch.zeros_like(log_ratio))
     if level == "sequence":
         log_ratio = log_ratio.sum(1)
     weights = torch.exp(log_ratio)
@@ -86,7 +89,7 @@ def importance_weights(logp: Tensor, sampler_logp: Tensor, mask: Tensor, level: 
         weights = torch.where((weights >= low) & (weights <= high), weights, torch.zeros_like(weights))
     else:
         raise ValueError(f"mode must be 'truncate' or 'mask', got {mode!r}")
-    return weights * mask if level == "token" else weights
+    return torch.where(m, weights, torch.zeros_like(weights)) if level == "token" else weights
 
 
 def weighted_advantages(advantages: Tensor, weights: Tensor) -> Tensor:

@@ -179,10 +179,16 @@ def fold_kl(
         mask: ``[B, T]`` completion mask.
         beta: KL coefficient.
 
+    Masked positions are selected out before the sum, so whatever ``logp``/``ref_logp`` hold there
+    (``inf``, ``NaN``, a log-ratio whose ``k3`` overflows) cannot reach ``kl`` or ``R``.
+
     Returns:
-        ``(token_kl [B, T] (0 off the mask), kl [B], R [B])``.
+        ``(token_kl [B, T] (0 off the mask), kl [B], R [B])``; ``token_kl`` in the dtype of ``kl_t * mask``.
     """
-    token_kl = kl_per_token(logp, ref_logp, estimator, clamp) * mask
+    token_kl = kl_per_token(logp, ref_logp, estimator, clamp)
+    token_kl = token_kl.to(torch.promote_types(token_kl.dtype, mask.dtype))  # the dtype ``* mask`` gave
+    # Select, never multiply: a masked inf or NaN (k3's exp(-x) overflows) times 0 is NaN.
+    token_kl = torch.where(mask.bool(), token_kl, torch.zeros_like(token_kl))
     kl = token_kl.sum(1)
     shaped = rewards - beta * kl if placement == "reward" else rewards
     return token_kl, kl, shaped

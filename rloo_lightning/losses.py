@@ -273,6 +273,10 @@ class PolicyLoss:
             stats = {n: (clip[n].detach() * weight, weight) for n in ("clip_low", "clip_high", "clip_region")}
         if self.kl_in_loss and ref_logp is not None:
             # GRPO / verl use_kl_loss: beta * KL estimate with its gradient, aggregated like the loss.
-            kl = kl_per_token(logp, ref_logp, self.kl_estimator, self.kl_clamp)
+            # Off the mask both log-probs are selected to 0 first: a masked position's extreme log-ratio would
+            # otherwise give exp's backward 0 * inf = NaN in the gradient (k3), though the sum selects it out.
+            on = mask.bool()
+            kl = kl_per_token(torch.where(on, logp, torch.zeros_like(logp)),
+                              torch.where(on, ref_logp, torch.zeros_like(ref_logp)), self.kl_estimator, self.kl_clamp)
             loss = loss + beta * aggregate_token_loss(kl, mask, self.aggregation, **denominators)
         return loss, stats
