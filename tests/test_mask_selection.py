@@ -245,8 +245,8 @@ def test_the_kl_loss_gradient_ignores_extremes_at_masked_positions(estimator):
     loss_fn = PolicyLoss.from_args(UpdateArgs(), KLArgs(beta=0.1, placement="loss", estimator=estimator))
     grads = []
     for masked in (0.0, -1e4):
-        logp = torch.tensor([[-1.0, -2.0, 0.0]], requires_grad=True)
-        ref = torch.tensor([[-1.5, -1.0, masked]])
+        logp = torch.tensor([[-1.0, -2.0, masked]], requires_grad=True)  # a padding position's log-prob
+        ref = torch.tensor([[-1.5, -1.0, 0.0]])
         loss, _ = loss_fn(logp, mask, torch.tensor([1.0]), {"num_sequences": 1, "num_tokens": 2.0,
                                                               "norm_constant": 3.0}, None, ref, torch.tensor(0.1))
         loss.backward()
