@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import queue
 import re
 import threading
 import time
@@ -215,10 +216,11 @@ _TIMEOUT = object()
 class EnvCalls:
     """Runs environment calls, ``workers`` at a time, each within ``timeout`` seconds.
 
-    A call runs in a thread of its own (the calls of a turn wait on sandboxes, interpreters or services far more
-    often than they compute). A call past ``timeout`` is abandoned: Python cannot stop a thread, so it runs on in
-    the background and its result is thrown away, and the caller never calls that environment object again. With
-    one worker and no timeout the calls run in the caller's thread, one after another.
+    The calls run on ``workers`` threads kept for the run (the calls of a turn wait on sandboxes, interpreters or
+    services far more often than they compute). A call past ``timeout`` is abandoned: Python cannot stop a thread,
+    so it runs on in the background and its result is thrown away, its thread is replaced, and the caller never
+    calls that environment object again. With one worker and no timeout the calls run in the caller's thread, one
+    after another.
 
     Results come back in the calls' order whatever the order they finish in, so a turn's transcripts are the same
     for any number of workers (for environments that keep their state to themselves, as :class:`Environment`
@@ -232,44 +234,60 @@ class EnvCalls:
             raise EnvironmentConfigError(f"environment.workers must be >= 1, got {workers}")
         self.timeout, self.workers = timeout, workers
         self.abandoned = 0  # calls abandoned so far (their threads may still be running)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._changed = threading.Condition()
+        self._threads: set[threading.Thread] = set()  # the live workers (an abandoned one leaves the set)
 
     def run(self, calls: Sequence[Callable[[], object]]) -> list[tuple[str, object]]:
         """``[(status, value)]`` per call: ``("ok", result)``, ``("error", exception)`` or ``("timeout", None)``."""
         if self.timeout is None and self.workers == 1:
             return [self._one(call) for call in calls]
-        results: list = [None] * len(calls)
-        started: dict[int, float] = {}
-        done = threading.Condition()
+        batch = _Batch(len(calls))
+        with self._changed:
+            while len(self._threads) < self.workers:
+                self._start_worker()
+        for i, call in enumerate(calls):
+            self._jobs.put((batch, i, call))
+        try:
+            with self._changed:
+                while True:
+                    now = time.monotonic()
+                    running = [i for i, at in batch.started.items() if batch.results[i] is None]
+                    for i in running:
+                        if self.timeout is not None and now - batch.started[i] >= self.timeout:
+                            batch.results[i] = ("timeout", None)
+                            self.abandoned += 1
+                            self._threads.discard(batch.thread[i])  # it may never come back: replace it
+                            self._start_worker()
+                    if all(r is not None for r in batch.results):
+                        return batch.results
+                    deadlines = [batch.started[i] + self.timeout for i in running if batch.results[i] is None] \
+                        if self.timeout is not None else []
+                    self._changed.wait(max(min(deadlines) - time.monotonic(), 0.0) if deadlines else None)
+        finally:
+            batch.cancelled = True  # calls not yet started (the caller was interrupted) are skipped
 
-        def work(i: int) -> None:
-            outcome = self._one(calls[i])
-            with done:
-                if results[i] is None:
-                    results[i] = outcome
-                done.notify_all()
+    def _start_worker(self) -> None:
+        thread = threading.Thread(target=self._work, daemon=True, name="rloo-env-call")
+        self._threads.add(thread)
+        thread.start()
 
-        waiting = iter(range(len(calls)))
-        with done:
-            running: set[int] = set()
-            while True:
-                now = time.monotonic()
-                for i in [i for i in running if results[i] is not None]:
-                    running.discard(i)
-                if self.timeout is not None:
-                    for i in [i for i in running if now - started[i] >= self.timeout]:
-                        results[i] = ("timeout", None)
-                        running.discard(i)
-                        self.abandoned += 1
-                for i in waiting if len(running) < self.workers else ():
-                    started[i] = time.monotonic()
-                    running.add(i)
-                    threading.Thread(target=work, args=(i,), daemon=True, name=f"rloo-env-call-{i}").start()
-                    if len(running) >= self.workers:
-                        break
-                if not running:
-                    return results
-                deadline = None if self.timeout is None else min(started[i] for i in running) + self.timeout
-                done.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+    def _work(self) -> None:
+        me = threading.current_thread()
+        while True:
+            batch, i, call = self._jobs.get()
+            with self._changed:
+                if batch.cancelled:
+                    continue
+                batch.started[i], batch.thread[i] = time.monotonic(), me
+                self._changed.notify_all()
+            outcome = self._one(call)
+            with self._changed:
+                if batch.results[i] is None:
+                    batch.results[i] = outcome
+                self._changed.notify_all()
+                if me not in self._threads:  # abandoned: a replacement took its place
+                    return
 
     @staticmethod
     def _one(call: Callable[[], object]) -> tuple[str, object]:
@@ -277,6 +295,16 @@ class EnvCalls:
             return "ok", call()
         except Exception as err:  # the environment's own failure: reported by the caller, with its name and place
             return "error", err
+
+
+class _Batch:
+    """One :meth:`EnvCalls.run`: each call's result, start time and thread."""
+
+    def __init__(self, n: int) -> None:
+        self.results: list = [None] * n
+        self.started: dict[int, float] = {}
+        self.thread: dict[int, threading.Thread] = {}
+        self.cancelled = False
 
 
 def _is_number(value) -> bool:
