@@ -88,3 +88,132 @@ def successful_calls(prompts, completions, completion_ids, transcript, **columns
     return [float(sum(m["role"] == "tool" and not m["content"].startswith("error (") for m in t))
             for t in transcript]
 
+
+# -- for ``test_tools_hostile.py``: union, optional, list and literal parameters, odd results, memory --------------
+from typing import Any, Literal, Optional, Union  # noqa: E402
+
+
+def pick(value: int | str) -> str:
+    """Echo an integer or a string.
+
+    Args:
+        value: an integer or a string.
+    """
+    return f"{type(value).__name__}:{value}"
+
+
+def maybe(value: Optional[int]) -> str:
+    """Echo an integer or null.
+
+    Args:
+        value: an integer, or null.
+    """
+    return f"{type(value).__name__}:{value}"
+
+
+def either(value: Union[int, str]) -> str:
+    """Echo an integer or a string (typing.Union).
+
+    Args:
+        value: an integer or a string.
+    """
+    return f"{type(value).__name__}:{value}"
+
+
+def total(values: list[int]) -> int:
+    """Sum a list of integers.
+
+    Args:
+        values: the integers.
+    """
+    return sum(values)
+
+
+def colour(name: Literal["red", "green"]) -> str:
+    """Echo one of two colours.
+
+    Args:
+        name: red or green.
+    """
+    return name
+
+
+def shape(value: list[int] | dict[str, int]) -> str:
+    """Echo a list of integers or a mapping to integers.
+
+    Args:
+        value: the list or the mapping.
+    """
+    return type(value).__name__
+
+
+def anything(value: Any) -> str:
+    """Echo the JSON type of anything (its schema has no "type").
+
+    Args:
+        value: any JSON value.
+    """
+    return type(value).__name__
+
+
+class _Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+    __repr__ = __str__
+
+
+class _UnprintableError(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+def _refuse_to_load():
+    raise RuntimeError("this result cannot be rebuilt")
+
+
+class _Unloadable:
+    """Pickles in the worker, fails to unpickle in the parent."""
+
+    def __reduce__(self):
+        return _refuse_to_load, ()
+
+
+def odd_result(kind: str):  # noqa: ANN201 - the return type is the point
+    """Return something awkward.
+
+    Args:
+        kind: which awkward thing.
+    """
+    if kind == "set":
+        return {1, 2}
+    if kind == "bytes":
+        return b"\x00\xff"
+    if kind == "unprintable":
+        return _Unprintable()
+    if kind == "huge_int":
+        return 10 ** 5000
+    if kind == "deep":
+        value: list = []
+        for _ in range(5000):
+            value = [value]
+        return value
+    if kind == "surrogate":
+        return "half a pair: \ud800"
+    if kind == "unprintable_error":
+        raise _UnprintableError()
+    if kind == "unloadable":
+        return _Unloadable()
+    if kind == "exit":
+        raise SystemExit(3)
+    return kind
+
+
+def allocate(megabytes: int) -> int:
+    """Allocate and touch a buffer.
+
+    Args:
+        megabytes: its size in MiB.
+    """
+    data = bytearray(megabytes * 2 ** 20)
+    return len(data)

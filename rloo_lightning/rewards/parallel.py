@@ -18,7 +18,11 @@ can hang on one pathological completion. :class:`WorkerPool` runs them in separa
   never waits longer. A worker that dies is replaced the same way. ``multiprocessing.Pool``
   cannot kill one task, so workers are plain processes with one pipe each;
 * workers live across calls and are stopped by :meth:`WorkerPool.close`, at interpreter exit, or
-  when the pool is garbage-collected. A worker whose parent died gets EOF on its pipe and exits.
+  when the pool is garbage-collected. A worker whose parent died gets EOF on its pipe and exits;
+* ``memory_mb`` (None for rewards; the tool workers of
+  :class:`~rloo_lightning.environments.tools.ToolEnvironment` set it) caps each worker's address space
+  (``RLIMIT_AS``, Linux) at what it maps once started (its imports, torch's included, and functions built) plus
+  ``memory_mb`` MiB: an allocation past it raises ``MemoryError`` in the call, an ``"error"`` outcome.
 
 Each rank of a distributed run has its own pool.
 """
@@ -90,10 +94,29 @@ def _unpack(data: bytes | None, tb: str) -> BaseException:
     return RemoteError(last)
 
 
-def _worker_main(conn, payloads: dict[int, bytes], cwd: str | None = None) -> None:
+def _limit_address_space(memory_mb: int) -> None:
+    """Set this process's soft ``RLIMIT_AS`` to what it maps now (``VmSize``) plus ``memory_mb`` MiB (never above
+    a limit already set). Linux only: where ``/proc/self/status`` or ``resource`` is missing, nothing is set."""
+    try:
+        import resource
+
+        with open("/proc/self/status") as f:
+            size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    except (ImportError, OSError, StopIteration, ValueError, IndexError):
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = size + memory_mb * 2 ** 20
+    for current in (soft, hard):
+        if current != resource.RLIM_INFINITY:
+            limit = min(limit, current)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def _worker_main(conn, payloads: dict[int, bytes], cwd: str | None = None, memory_mb: int | None = None) -> None:
     """Worker loop: build the functions, say ready, then answer ``(task_id, index, mode, args)``.
 
     ``cwd``: the parent's working directory, appended to ``sys.path`` before the functions are built.
+    ``memory_mb``: MiB of address space the calls may add to what the worker maps once built (None: no limit).
     """
     try:
         if cwd is not None:
@@ -106,6 +129,8 @@ def _worker_main(conn, payloads: dict[int, bytes], cwd: str | None = None) -> No
             funcs[i] = build_reward(spec)[1] if isinstance(spec, (str, Mapping)) else spec
         if "torch" in sys.modules:  # N workers on N cores: no oversubscription by intra-op threads
             sys.modules["torch"].set_num_threads(1)
+        if memory_mb is not None:
+            _limit_address_space(memory_mb)
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which raises it
         with contextlib.suppress(Exception):  # the parent may be gone; the worker exits either way
             conn.send(("init_error", _pack(err), traceback.format_exc()))
@@ -179,14 +204,17 @@ class WorkerPool:
         names: ``{index: name}`` for messages.
         num_workers: processes to keep.
         start_method: ``"forkserver"`` (default where available) or ``"spawn"``; never ``"fork"``.
+        memory_mb: MiB of address space each worker's calls may add to what it maps once started (``RLIMIT_AS``,
+            Linux); None: no limit.
     """
 
     def __init__(self, payloads: Mapping[int, Any], names: Mapping[int, str], num_workers: int = 1,
-                 start_method: str | None = None) -> None:
+                 start_method: str | None = None, memory_mb: int | None = None) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.names = dict(names)
         self.num_workers = num_workers
+        self.memory_mb = memory_mb
         self._ctx = get_context(start_method)
         self._payloads = {i: pickle.dumps(spec) for i, spec in payloads.items()}
         self._workers: list[_Worker] = []
@@ -204,7 +232,7 @@ class WorkerPool:
 
     def _start(self) -> _Worker:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=_worker_main, args=(child_conn, self._payloads, os.getcwd()),
+        proc = self._ctx.Process(target=_worker_main, args=(child_conn, self._payloads, os.getcwd(), self.memory_mb),
                                  name="rloo-reward-worker", daemon=False)
         proc.start()
         child_conn.close()  # so that the worker's death is EOF here
