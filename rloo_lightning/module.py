@@ -158,6 +158,9 @@ class RLOOModule(LightningModule):
         if self.rewards is None and self.episodes is None and stage != "predict":
             raise ValueError(f"rewards.funcs must name at least one reward function: {stage} scores completions "
                              "(only predict runs without, and an environment.class_path that gives the rewards)")
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if self.episodes is not None and datamodule is not None:
+            self.episodes.check_data(datamodule)
 
     # -- models --------------------------------------------------------------------------------
     def configure_model(self) -> None:

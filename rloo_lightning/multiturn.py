@@ -532,6 +532,10 @@ class EpisodeSampler:
         self.calls = EnvCalls(args.timeout, args.workers)
         self._format: TurnFormat | None = None
 
+    def check_data(self, datamodule) -> None:
+        """The environment against the data module (:meth:`Environment.check_data`), before any model loads."""
+        self.env_class.check_data(dict(self.args.init_args), datamodule)
+
     def new_environment(self) -> Environment:
         try:
             return self.env_class(**self.args.init_args)

@@ -295,3 +295,57 @@ def test_a_wrong_environment_fails_at_construction_as_its_own_kind(environment, 
     assert not isinstance(err.value, RewardError)
     if "init_args" in message or "imported" in message:
         assert isinstance(err.value, EnvironmentConfigError)
+
+
+CALC = "rloo_lightning.environments.tools.calculator"
+TOOLS = "rloo_lightning.environments.tools.ToolEnvironment"
+
+
+def test_a_tool_that_cannot_be_imported_fails_at_construction_as_an_environment_error():
+    from rloo_lightning.rewards.protocol import RewardError
+
+    for init_args, message in [({"tools": [CALC, "no_such_module.tool"]}, r"environment.init_args: tool "
+                                r"'no_such_module.tool' cannot be imported"),
+                               ({"tools": [CALC], "timeout": 0}, r"environment.init_args: timeout must be > 0"),
+                               ({"tools": [CALC], "max_calls": "3"}, r"max_calls must be an integer"),
+                               ({"tools": [CALC], "retries": 3}, r"do not fit ToolEnvironment")]:
+        with pytest.raises(EnvironmentConfigError, match=message) as err:
+            RLOOModule("x", rewards={}, environment={"class_path": TOOLS, "init_args": init_args})
+        assert not isinstance(err.value, RewardError)
+
+
+def test_data_tools_that_differ_from_the_environments_tools_are_refused_before_the_model_loads():
+    from types import SimpleNamespace
+
+    from rloo_lightning.data import PromptDataModule
+
+    m = RLOOModule("x", rewards={}, environment={"class_path": TOOLS, "init_args": {"tools": [CALC]}})
+    trainer = lambda dm: SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")),  # noqa: E731
+                                         datamodule=dm)
+    other = PromptDataModule(task="arithmetic", tools=["tool_helpers.total"])
+    m._trainer = trainer(other)
+    with pytest.raises(EnvironmentConfigError, match=r"data.tools \['tool_helpers.total'\] differs from "
+                                                     r"environment.init_args.tools \['rloo_lightning.environments"):
+        m.setup("fit")
+    for same in (PromptDataModule(task="arithmetic", tools=[CALC]), PromptDataModule(task="arithmetic")):
+        m._trainer = trainer(same)
+        m.setup("fit")  # the same tools, or none shown: accepted
+
+
+@pytest.mark.slow
+def test_tool_calls_of_concurrent_episodes_share_the_worker_safely():
+    """environment.workers = 4 with a tool worker process: the calls queue for the one worker; transcripts are
+    those of a serial run."""
+    from test_tools import _call, _tool_module
+
+    turns = [_call("calculator", expression="6*7"), _call("calculator", expression="2**10"), "42"]
+    runs = []
+    for workers in (1, 4):
+        m, tok, batch = _tool_module(turns)
+        m.episodes.args = type(m.episodes.args)(**{**m.episodes.args.__dict__, "workers": workers,
+                                                   "init_args": {"tools": [CALC], "timeout": 10.0}})
+        m.episodes.calls = EnvCalls(60.0, workers)
+        runs.append(m.sample(batch, 4, seed=0))
+    assert runs[0].columns["transcript"] == runs[1].columns["transcript"]
+    assert [t[1]["content"] for t in runs[1].columns["transcript"]] == ["42"] * 4
+    assert (runs[1].env_metrics["tool_calls"] == 2).all() and (runs[1].env_metrics["tool_errors"] == 0).all()

@@ -122,6 +122,11 @@ class Environment:
             raise EnvironmentConfigError(f"environment.init_args {init_args!r} do not fit {cls.__name__}: {err}"
                                          ) from None
 
+    @classmethod
+    def check_data(cls, init_args: dict, datamodule) -> None:
+        """Check the environment against the data module before any model is loaded (default: nothing); raise
+        :class:`EnvironmentConfigError`. ``ToolEnvironment`` refuses a ``data.tools`` that lists other tools."""
+
     def reset(self, row: dict, seed: int) -> None:
         """Start the episode.
 

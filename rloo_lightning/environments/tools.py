@@ -59,9 +59,10 @@ import math
 import operator
 import re
 import sys
+import threading
 from typing import Any, Callable, ClassVar, Sequence
 
-from rloo_lightning.environments.base import EnvStep, Environment, Message, PolicyTurn
+from rloo_lightning.environments.base import EnvironmentConfigError, EnvStep, Environment, Message, PolicyTurn
 
 __all__ = ["ToolEnvironment", "ToolCall", "calculator", "parse_tool_call", "parse_tool_calls", "tool_prompt",
            "tool_schema", "resolve_tools", "tool_schemas", "ERROR_KINDS", "MAX_ARGUMENT_DEPTH"]
@@ -74,19 +75,25 @@ _JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean":
 
 
 def resolve_tools(paths: Sequence[str]) -> dict[str, Callable]:
-    """``{name: function}`` for import paths ``pkg.module.function``; errors name the path."""
-    from rloo_lightning.rewards.protocol import _import_object
+    """``{name: function}`` for import paths ``pkg.module.function``; errors (:class:`EnvironmentConfigError`)
+    name the path."""
+    from rloo_lightning.rewards.protocol import RewardError, _import_object
 
     if isinstance(paths, str) or not paths:
-        raise ValueError(f"tools must be a non-empty list of import paths 'package.module.function', got {paths!r}")
+        raise EnvironmentConfigError(f"tools must be a non-empty list of import paths 'package.module.function', "
+                                     f"got {paths!r}")
     tools = {}
     for path in paths:
-        fn = _import_object(path, "tool")
+        try:
+            fn = _import_object(path, "tool")
+        except RewardError as err:  # the importer is shared with reward functions; this is a tool's error
+            raise EnvironmentConfigError(str(err)) from err.__cause__
         if not callable(fn):
-            raise ValueError(f"tool {path!r} is not callable")
+            raise EnvironmentConfigError(f"tool {path!r} is not callable")
         name = fn.__name__
         if name in tools:
-            raise ValueError(f"two tools are named {name!r}: {path!r} and another; tool names must be unique")
+            raise EnvironmentConfigError(f"two tools are named {name!r}: {path!r} and another; tool names must be "
+                                         "unique")
         tools[name] = fn
     return tools
 
@@ -99,7 +106,7 @@ def tool_schema(fn: Callable) -> dict:
     try:
         return get_json_schema(fn)
     except Exception as err:
-        raise ValueError(f"tool {getattr(fn, '__name__', fn)!r}: its schema needs a type hint for every parameter "
+        raise EnvironmentConfigError(f"tool {getattr(fn, '__name__', fn)!r}: its schema needs a type hint for every parameter "
                          f"and a docstring with a description and an Args: section ({err})") from err
 
 
@@ -310,10 +317,11 @@ def _as_text(value: Any) -> str:
 class _Shared:
     """The tools of one configuration, shared by all its episodes: functions, schemas and the worker pool."""
 
-    __slots__ = ("paths", "memory_mb", "functions", "schemas", "pool", "use_pool")
+    __slots__ = ("paths", "memory_mb", "functions", "schemas", "pool", "use_pool", "lock")
 
     def __init__(self, paths: tuple[str, ...], use_pool: bool, memory_mb: int | None) -> None:
         self.paths, self.use_pool, self.memory_mb = paths, use_pool, memory_mb
+        self.lock = threading.Lock()  # one call at a time in the one worker (episodes may step concurrently)
         self.functions = resolve_tools(paths)
         self.schemas = {name: tool_schema(fn) for name, fn in self.functions.items()}
         self.pool = None
@@ -356,19 +364,51 @@ class ToolEnvironment(Environment):
 
     def __init__(self, tools: Sequence[str], timeout: float | None = 10.0, max_calls: int | None = None,
                  memory_mb: int | None = 4096) -> None:
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds or None, got {timeout}")
-        if max_calls is not None and max_calls < 1:
-            raise ValueError(f"max_calls must be >= 1 or None, got {max_calls}")
-        if memory_mb is not None and (isinstance(memory_mb, bool) or not isinstance(memory_mb, int)
-                                      or memory_mb < 1):
-            raise ValueError(f"memory_mb must be an integer >= 1 (MiB) or None, got {memory_mb!r}")
+        self._check_limits(timeout, max_calls, memory_mb)
         self.paths, self.timeout, self.max_calls, self.memory_mb = tuple(tools), timeout, max_calls, memory_mb
         key = (self.paths, timeout, memory_mb if timeout is not None else None)
         if key not in self._pools:  # one set of tools (and one worker) for every episode of this configuration
             self._pools[key] = _Shared(self.paths, timeout is not None, key[2])
         self._shared = self._pools[key]
         self.functions, self.schemas = self._shared.functions, self._shared.schemas
+
+    @staticmethod
+    def _check_limits(timeout, max_calls, memory_mb) -> None:
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise EnvironmentConfigError(f"timeout must be > 0 seconds or None, got {timeout!r}")
+        if max_calls is not None and (isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1):
+            raise EnvironmentConfigError(f"max_calls must be an integer >= 1 or None, got {max_calls!r}")
+        if memory_mb is not None and (isinstance(memory_mb, bool) or not isinstance(memory_mb, int)
+                                      or memory_mb < 1):
+            raise EnvironmentConfigError(f"memory_mb must be an integer >= 1 (MiB) or None, got {memory_mb!r}")
+
+    @classmethod
+    def check_init_args(cls, init_args: dict) -> None:
+        """The tools import, each has a schema, and the limits are valid: checked before any model loads (the
+        worker process starts with the first episode)."""
+        super().check_init_args(init_args)
+        try:
+            cls._check_limits(init_args.get("timeout", 10.0), init_args.get("max_calls"),
+                              init_args.get("memory_mb", 4096))
+            for fn in resolve_tools(init_args.get("tools")).values():
+                tool_schema(fn)
+        except EnvironmentConfigError as err:
+            raise EnvironmentConfigError(f"environment.init_args: {err}") from err.__cause__
+
+    @classmethod
+    def check_data(cls, init_args: dict, datamodule) -> None:
+        """Refuse a ``data.tools`` list (the schemas the prompts show) that names other tools than the
+        environment runs: the policy would be shown tools it cannot call, or not shown ones it can."""
+        shown = getattr(getattr(datamodule, "hparams", None), "get", lambda *_: None)("tools")
+        if not shown:
+            return
+        runs = resolve_tools(init_args.get("tools"))
+        listed = resolve_tools(shown)
+        if {id(fn) for fn in runs.values()} != {id(fn) for fn in listed.values()}:
+            raise EnvironmentConfigError(
+                f"data.tools {list(shown)} differs from environment.init_args.tools {list(init_args['tools'])}: the "
+                "prompts would list other tools than the environment runs; give both the same list")
 
     @property
     def pool(self):
@@ -447,6 +487,10 @@ class ToolEnvironment(Environment):
                 return "ok", self.functions[call.name](**call.arguments)
             except (Exception, SystemExit) as err:  # the tool's own failure: reported to the policy
                 return "error", _describe(err)
+        with self._shared.lock:
+            return self._run_in_worker(call)
+
+    def _run_in_worker(self, call: ToolCall) -> tuple[str, Any]:
         from rloo_lightning.rewards.protocol import RewardError
 
         if self.pool.closed:  # a failure (below) or an interrupt closed it
