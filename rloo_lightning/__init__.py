@@ -1,11 +1,5 @@
 """rloo_lightning: RLOO post-training for causal LMs with PyTorch Lightning."""
 
-import logging as _logging
-
-# A library's logger: records reach whatever handlers the application sets up, and print nothing by themselves
-# (each environment failure is logged here in full; the console gets one warning line per step).
-_logging.getLogger(__name__).addHandler(_logging.NullHandler())
-
 from rloo_lightning.advantages import leave_one_out_advantages
 from rloo_lightning.callbacks import RolloutHook, ValidateAtStart
 from rloo_lightning.config import (

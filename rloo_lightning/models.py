@@ -159,7 +159,7 @@ def config_context(cfg) -> int | None:
         return None
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = cfg.to_dict().get(key)
+        value = getattr(cfg, key, None)
         if isinstance(value, int) and value > 0:
             return value
     return None

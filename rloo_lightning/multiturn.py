@@ -32,6 +32,9 @@ from torch import Tensor
 from rloo_lightning.environments.base import EnvironmentConfigError, EnvStep, Environment, Message, PolicyTurn
 
 logger = logging.getLogger(__name__)
+# The package's logger prints nothing by itself (a library's logger: the application sets up its handlers). Each
+# environment failure is logged there in full; the console gets one warning line per step.
+logging.getLogger("rloo_lightning").addHandler(logging.NullHandler())
 
 __all__ = ["CUT_KINDS", "EnvCalls", "Episode", "EpisodeError", "EpisodeSampler", "EpisodeWarning", "TurnFormat",
            "assemble_transcripts", "run_episodes", "transcript_logps"]
