@@ -154,3 +154,24 @@ def test_the_special_tokens_of_a_users_reply_format_stay_markers():
     start, end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
     assert ids.count(start) == 2 and ids.count(end) == 1  # the pattern's markers, not the content's
     assert tok.decode(ids) == "<|im_start|>user\nx<|im_end|>y<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_tool_call_whose_marker_is_a_special_token_reaches_the_tool_environment():
+    from rloo_lightning.environments.tools import ToolEnvironment
+
+    tok = bpe_tokenizer(TEMPLATES["chatml-tools-in-user"][0])
+    marker = tok.convert_tokens_to_ids("<tool_call>")
+    assert marker in tok.all_special_ids  # decoding without special tokens would drop it
+    end_id = tok.convert_tokens_to_ids("<|im_end|>")
+    call = tok('{"name": "calculator", "arguments": {"expression": "7 * 8"}}</tool_call>',
+               add_special_tokens=False)["input_ids"]
+    sampled = [[marker] + call + [end_id], tok("56", add_special_tokens=False)["input_ids"] + [end_id]]
+    env = ToolEnvironment(["rloo_lightning.environments.tools.calculator"], timeout=None)
+    env.reset({}, 0)
+    episode = Episode(env)
+    prompt = tok("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    run_episodes(lambda ids, mask, turn: torch.tensor([sampled[turn]]), tok, torch.tensor([prompt]),
+                 torch.ones(1, len(prompt), dtype=torch.long), [episode], TurnFormat.from_tokenizer(tok), [end_id],
+                 max_new_tokens=64, max_turns=2, max_context=None, where=["row 0"])
+    assert episode.messages[1] == {"role": "tool", "content": "56"} and env.metrics()["tool_calls"] == 1
+    assert episode.segments[0][0] == sampled[0]  # the policy's tokens, exactly as sampled
