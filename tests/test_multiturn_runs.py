@@ -24,8 +24,9 @@ TIMEOUT = 300
 STEPS, RESUME_AT = 4, 2
 
 
+# The quickstart model's context (32 tokens) would cut the third turn: the budget is set past it.
 NOISY = ["--model.rewards.funcs", "[]", "--model.environment.class_path", "multiturn_helpers.Noisy",
-         "--model.sampling.max_new_tokens", "4"]
+         "--model.sampling.max_new_tokens", "4", "--model.environment.max_context_tokens", "64"]
 TOOLS = ["--model.rewards.funcs", "[tool_helpers.successful_calls]",
          "--model.environment.class_path", "multiturn_helpers.NoisyTools",
          "--model.environment.init_args", json.dumps({"tools": ["rloo_lightning.environments.tools.calculator"]}),
