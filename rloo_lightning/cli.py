@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks.progress import ProgressBar, RichProgressBar, T
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
+from rloo_lightning import stop
 from rloo_lightning.callbacks.progress import StepProgressBar
 from rloo_lightning.config import RENAMED
 from rloo_lightning.data import PromptDataModule
@@ -228,9 +229,12 @@ def main(args: list[str] | None = None) -> None:
         lines = "\n".join(f"  model.{name} -> model.{RENAMED[name]}" for name in renamed)
         sys.exit(f"error: RLOOModule's options are grouped now; rename:\n{lines}")
     _quiet_third_party()
+    stop.install()  # from here a SIGTERM ends the run promptly at any point, keeping what there is to keep
     try:
         _run_reporting_errors(args)
     except SIGTERMException:  # a SystemExit with no code (status 0): a scheduler that preempted the run must
+        if stop.phase() == "setup" and os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
+            sys.stderr.write("stopped by SIGTERM before the first training step of this run: nothing to save\n")
         sys.exit(128 + signal.SIGTERM)  # not read it as success; 143, as a process killed by the signal
 
 

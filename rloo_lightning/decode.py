@@ -25,6 +25,7 @@ import types
 import torch
 from torch import Tensor
 
+from rloo_lightning import stop
 from rloo_lightning.logprobs import _base_model, cache_keyword, prefill_groups, returned_cache
 from rloo_lightning.engines import GenerationEngine, HFGenerateEngine, generates_synced, prompt_groups
 
@@ -149,6 +150,7 @@ class DecodeLoopEngine(GenerationEngine):
         done = torch.zeros(B, dtype=torch.bool, device=device)  # of the live rows
         steps = 0
         for t in range(T):
+            stop.check("generation")  # a SIGTERM during validation (or before the first step) ends here
             tokens, logp = sample_from_logits(logits, config.temperature or 1.0, generator, greedy)
             tokens, logp = tokens.masked_fill(done, pad), logp.masked_fill(done, 0.0)  # (compact=False) after EOS
             tokens_out[rows, t], logp_out[rows, t] = tokens, logp

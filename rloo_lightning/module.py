@@ -11,6 +11,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from rloo_lightning import sharding
+from rloo_lightning import stop
 from rloo_lightning.advantages import AdvantageEstimator
 from rloo_lightning.callbacks.base import RolloutHook, ValidateAtStart
 from rloo_lightning.callbacks.checkpoint import FinalCheckpoint
@@ -153,6 +154,8 @@ class RLOOModule(LightningModule):
 
     def setup(self, stage: str) -> None:
         # Before any model is loaded (Lightning calls configure_model after this).
+        if self._trainer is not None:
+            stop.attach(self._trainer)  # a SIGTERM from now to the first step ends the run at once (stop.py)
         self.engine.check(self._trainer.strategy.root_device if self._trainer is not None else torch.device("cpu"))
         stage = getattr(stage, "value", stage)  # Lightning passes a TrainerFn ("fit", "validate", ...)
         if self.rewards is None and self.episodes is None and stage != "predict":
@@ -493,6 +496,8 @@ class RLOOModule(LightningModule):
         self.log("train/skipped_steps", float(self.guard.skipped_steps))
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        if self.global_step > 0:
+            stop.set_phase("train")  # a SIGTERM now: Lightning stops at this step's end and keeps it
         kl, step = self.cfg.kl, self.global_step
         if kl.ref_sync_steps and step > 0 and step % kl.ref_sync_steps == 0 and self.reference is not None:
             # TR-DPO / TRL sync_ref_model: the reference trails the policy. At the start of the step (= after the
@@ -505,6 +510,8 @@ class RLOOModule(LightningModule):
         accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
         if (batch_idx + 1) % accumulate == 0:  # an optimizer step happened: an engine with its own copy resyncs
             self.engine.on_weights_updated(self.policy)
+        if self.global_step > 0:
+            stop.set_phase("boundary")
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _frozen_base_keys(self) -> set[str]:
@@ -572,6 +579,14 @@ class RLOOModule(LightningModule):
             out["reward_greedy"] = greedy.rewards
             out["accuracy_greedy"] = (greedy.rewards >= v.success_threshold).float()
         return out
+
+    def on_validation_start(self) -> None:
+        if self.global_step > 0 and self.trainer.training is False:
+            stop.set_phase("validation")  # a SIGTERM now ends the run at the next token: the step is kept
+
+    def on_validation_end(self) -> None:
+        if self.global_step > 0:
+            stop.set_phase("boundary")
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._log_evaluation(batch, batch_idx, "val", self.val_metrics)

@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from rloo_lightning import stop
 from rloo_lightning.environments.base import EnvironmentConfigError, EnvStep, Environment, Message, PolicyTurn
 
 logger = logging.getLogger(__name__)
@@ -410,6 +411,7 @@ def run_episodes(generate: Callable, tokenizer, prompt_ids: Tensor, prompt_mask:
                 break
         elif not live:
             break
+        stop.check("an episode's turn")
         contexts = [prompts[i] + [t for ids, _ in episodes[i].segments for t in ids] for i in live] or [prompts[0]]
         width = max(map(len, contexts))
         ids = torch.full((len(contexts), width), pad, dtype=torch.long, device=prompt_ids.device)

@@ -12,6 +12,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from rloo_lightning import stop
+
 __all__ = ["FinalCheckpoint"]
 
 LAST = "last.ckpt"
@@ -146,7 +148,12 @@ class FinalCheckpoint(Callback):
     # -- how ---------------------------------------------------------------------------------------
     def _save(self, trainer: Trainer) -> None:
         # Every rank: a collective under DDP / FSDP. A full checkpoint (optimizer, loops, callbacks): resumable.
-        trainer.save_checkpoint(self.last_path(trainer), weights_only=False)
+        before = stop.phase()
+        stop.set_phase("saving")  # a SIGTERM during the write waits for it
+        try:
+            trainer.save_checkpoint(self.last_path(trainer), weights_only=False)
+        finally:
+            stop.set_phase(before)
         self._saved_step = trainer.global_step
 
     def _refresh_after_resume(self, trainer: Trainer, target: str, collective: bool = True) -> None:
