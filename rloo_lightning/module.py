@@ -522,13 +522,23 @@ class RLOOModule(LightningModule):
         return {f"policy.{n}" for n, t in self.policy.state_dict(keep_vars=True).items() if not t.requires_grad}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["rloo_skipped_steps"] = self.guard.skipped_steps
-        if self.advantage_estimator.moving_average is not None:
-            checkpoint["rloo_moving_average"] = self.advantage_estimator.state_dict()
-        if (stored := self.reuse.state_dict()) is not None:
-            checkpoint["rloo_rollout"] = stored  # between two updates on one rollout: the resumed run goes on
-        if self.cfg.kl.ref_sync_steps and self._ref is not None:
-            checkpoint["rloo_reference"] = self._ref.model.state_dict()  # it moves: keep it
+        rewind = getattr(self, "_checkpoint_rewind", None)
+        if rewind is not None:  # a SIGTERM inside a step (FinalCheckpoint): the state at the step's start
+            checkpoint["loops"], checkpoint["callbacks"] = rewind["loops"], rewind["callbacks"]
+            for key in [k for k in checkpoint if k.startswith("rloo_")]:
+                del checkpoint[key]
+            checkpoint.update(copy.deepcopy(rewind["extras"]))
+            for name, value in rewind["buffers"].items():
+                if name in checkpoint["state_dict"]:
+                    checkpoint["state_dict"][name] = value.clone()
+        else:
+            checkpoint["rloo_skipped_steps"] = self.guard.skipped_steps
+            if self.advantage_estimator.moving_average is not None:
+                checkpoint["rloo_moving_average"] = self.advantage_estimator.state_dict()
+            if (stored := self.reuse.state_dict()) is not None:
+                checkpoint["rloo_rollout"] = stored  # between two updates on one rollout: the resumed run goes on
+            if self.cfg.kl.ref_sync_steps and self._ref is not None:
+                checkpoint["rloo_reference"] = self._ref.model.state_dict()  # it moves: keep it
         for key in self._frozen_base_keys():  # LoRA: the base is the model on disk; the checkpoint holds the adapter
             checkpoint["state_dict"].pop(key, None)
 

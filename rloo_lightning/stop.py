@@ -9,9 +9,12 @@ can take minutes. This module's handler, installed by the CLI before anything el
   there is nothing to save: it raises :class:`~lightning.pytorch.utilities.exceptions.SIGTERMException` at once
   (the CLI exits with 143 and says so in one line);
 * after it, it sets a flag that the long loops read between their units of work (each generated token, each
-  validation batch, each turn of an episode): :func:`check` raises there during validation, where Lightning's
-  stop writes ``last.ckpt`` of the step just finished. Inside a training step the step finishes first, and
-  Lightning's own stop at its end writes ``last.ckpt`` of that step (``FinalCheckpoint``);
+  validation batch, each turn of an episode): :func:`check` raises there during validation, where
+  ``FinalCheckpoint`` writes ``last.ckpt`` of the step just finished; and inside a training step's generation
+  (one process), where ``FinalCheckpoint`` writes the state of the step before, as a stop at that step's end
+  would have (it keeps a snapshot of what a step changes before its optimizer step: the loops' counters, the
+  callbacks' and the module's own state). With several ranks a step runs to its end, where Lightning's stop,
+  agreed by every rank, writes ``last.ckpt`` of that step;
 * it forwards the signal to the ranks this process launched, before Lightning's handler (which does the same)
   is installed.
 """
@@ -24,7 +27,7 @@ import threading
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-__all__ = ["attach", "check", "install", "phase", "requested", "set_phase"]
+__all__ = ["aborted_step", "attach", "check", "install", "phase", "requested", "set_phase"]
 
 _state = {"requested": False, "phase": "setup", "installed": False, "trainer": None}
 # phase: "setup" (nothing trained yet), "train" (inside a training step), "boundary" (between steps),
@@ -43,7 +46,7 @@ def install(trainer=None) -> None:
 
 def attach(trainer) -> None:
     """The trainer of this run (its launcher's ranks get the signal); the run starts in the ``setup`` phase."""
-    _state["trainer"], _state["phase"] = trainer, "setup"
+    _state["trainer"], _state["phase"], _state["aborted_step"] = trainer, "setup", False
 
 
 def phase() -> str:
@@ -60,10 +63,23 @@ def requested() -> bool:
 
 
 def check(where: str = "") -> None:
-    """Raise ``SIGTERMException`` if a SIGTERM arrived and the run may stop here (before the first step, or in a
-    validation loop); a no-op otherwise."""
-    if _state["requested"] and _state["phase"] in ("setup", "validation"):
+    """Raise ``SIGTERMException`` if a SIGTERM arrived and the run may stop here; a no-op otherwise.
+
+    It may before the first step, in a validation loop, and, in a one-process run, inside a training step's
+    generation: ``FinalCheckpoint`` then writes the state of the step before (:func:`aborted_step`)."""
+    if not _state["requested"]:
+        return
+    phase = _state["phase"]
+    if phase == "train" and getattr(_state["trainer"], "world_size", 1) == 1:
+        _state["aborted_step"] = True
         raise SIGTERMException(where)
+    if phase in ("setup", "validation"):
+        raise SIGTERMException(where)
+
+
+def aborted_step() -> bool:
+    """A training step was abandoned mid-way by :func:`check` (its state is not the one to save)."""
+    return _state.get("aborted_step", False)
 
 
 def _handler(signum, frame) -> None:

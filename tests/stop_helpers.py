@@ -8,6 +8,8 @@ import signal
 
 from lightning.pytorch import Callback
 
+from rloo_lightning.decode import DecodeLoopEngine
+
 
 def _record(event: str) -> int:
     """Append ``event`` to ``$STOP_LOG``; the number of events before it."""
@@ -51,3 +53,19 @@ class SignalAt(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         _record(f"step {trainer.global_step}")
+
+
+class SignallingEngine(DecodeLoopEngine):
+    """The default engine, that sends its own process SIGTERM as its ``at_call``-th call (from 0) starts: the
+    signal lands inside that training step's generation (validation off: one call per step)."""
+
+    def __init__(self, at_call: int = -1) -> None:
+        super().__init__()
+        self.at_call, self.calls = at_call, 0
+
+    def generate(self, *args, **kwargs):
+        if self.calls == self.at_call:
+            _record(f"signal at generate call {self.at_call}")
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.calls += 1
+        return super().generate(*args, **kwargs)

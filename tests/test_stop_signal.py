@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from cli_harness import CONFIGS, make_env, run_cli
+from test_final_checkpoint import _assert_same_checkpoint
 
 pytestmark = pytest.mark.slow  # CLI subprocesses
 
-REWARD = ["--model.rewards.funcs", "[stop_helpers.reward_that_signals]"]
+REWARD = ["--model.rewards.funcs", "[stop_helpers.reward_that_signals]"]  # later options override it
 
 
 def _args(root: Path, model_dir: str, *extra: str) -> list[str]:
@@ -79,3 +80,71 @@ def test_under_ddp_a_sigterm_to_rank_0_during_validation_before_training_ends_ev
                                 "--trainer.devices", "2"), tmp_path, env, check=False, timeout=240)
     assert proc.rc == 143 and not proc.timed_out, proc.explain()  # every rank ended: none waited in a collective
     assert _events(log) == ["reward", "reward"]
+
+
+def _flat(d, prefix=""):
+    """Every leaf of a checkpoint as ``{path: value}`` (tensors compared with torch.equal)."""
+    out = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(_flat(v, f"{prefix}/{k}"))
+    elif isinstance(d, (list, tuple)):
+        for i, v in enumerate(d):
+            out.update(_flat(v, f"{prefix}/{i}"))
+    else:
+        out[prefix] = d
+    return out
+
+
+def _assert_same(got: Path, ref: Path) -> None:
+    a, b = (_flat(torch.load(p, map_location="cpu", weights_only=False)) for p in (got, ref))
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    for key in b:
+        if isinstance(b[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), key
+        elif "callbacks" in key and ("dirpath" in key or "best_model_path" in key or "last_model_path" in key):
+            continue  # the run's own folder
+        else:
+            assert a[key] == b[key], (key, a[key], b[key])
+
+
+ENGINE_AT = ["--model.generation_engine", "stop_helpers.SignallingEngine", "--model.generation_engine.at_call"]
+
+
+# accumulation: 24 prompts (6 batches an epoch), so that step 2 ends mid-epoch
+@pytest.mark.parametrize("extra", [[], ["--trainer.accumulate_grad_batches", "2", "--data.num_train_rows", "24"],
+                                   ["--model.update.updates_per_rollout", "2"]],
+                         ids=["plain", "accumulate-2", "updates-per-rollout-2"])
+def test_sigterm_inside_step_3s_generation_keeps_step_2_as_a_stop_there_would_and_resumes_exactly(
+        tmp_path, tiny_model_dir, _cache_dir, extra):
+    """Run b stops at step 2's end (Lightning's stop); run c gets the signal inside step 3's generation; their
+    last.ckpt are the same, and c resumed to step 5 ends where an uninterrupted run a does."""
+    from cli_harness import start_cli, wait_all  # noqa: I001
+
+    env = make_env(_cache_dir, STOP_LOG=str(tmp_path / "events"))
+    common = ["--trainer.limit_val_batches", "0", "--model.validation.at_start", "false", "--data.num_val_rows", "8",
+              "--model.rewards.funcs", "[rloo_lightning.tasks.reverse.reward]", *extra]
+    # the generate call inside step 3: one per micro-batch (accumulation: its second micro-batch, after the first
+    # one's backward), none on a reused rollout's second update (steps 1 and 3 sample, 2 and 4 reuse)
+    call = 5 if "--trainer.accumulate_grad_batches" in extra else 1 if extra else 2
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    procs = [start_cli("a", _args(a, tiny_model_dir, "--trainer.max_steps", "6", *common), a, env),
+             start_cli("b", _args(b, tiny_model_dir, "--trainer.max_steps", "6", *common,
+                                  "--trainer.callbacks+=reliability_helpers.callbacks.SigtermAt",
+                                  "--trainer.callbacks.step=2"), b, env),
+             start_cli("c", _args(c, tiny_model_dir, "--trainer.max_steps", "6", *common, *ENGINE_AT, str(call)),
+                       c, env)]
+    wait_all(*procs)
+    procs[0].check()
+    assert procs[1].rc == procs[2].rc == 143, procs[1].explain() + procs[2].explain()
+    last_b, last_c = (p / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt" for p in (b, c))
+    assert torch.load(last_c, map_location="cpu", weights_only=False)["global_step"] == 2
+    _assert_same(last_c, last_b)
+    wait_all(start_cli("b2", _args(b, tiny_model_dir, "--trainer.max_steps", "6", *common, "--ckpt_path", last_b), b,
+                       env),
+             start_cli("c2", _args(c, tiny_model_dir, "--trainer.max_steps", "6", *common, "--ckpt_path", last_c), c,
+                       env))
+    end_b, end_c = (p / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt" for p in (b, c))
+    _assert_same(end_c, end_b)  # resumed, the two stops end alike
+    # ... where the uninterrupted run ends: the same weights, optimizer state and schedules
+    _assert_same_checkpoint(end_c, a / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt")
