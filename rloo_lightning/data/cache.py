@@ -11,8 +11,18 @@ Changing any of them makes a new entry; an old entry is never rewritten.
 Building streams the source a batch at a time, encodes it (:class:`PromptEncoder`: every row's checks,
 the long-prompt error or drop happen here, once) and writes it into a temporary folder that is renamed
 into place when complete, so a crash leaves no half entry and two processes building the same entry
-cannot corrupt it. Opening an entry reads nothing but its metadata: rows are read from the memory map
-when a batch asks for them.
+cannot corrupt it. Rows are read from the memory map when a batch asks for them.
+
+What is on disk is checked before it is used. ``meta.json`` records each Arrow file's size and SHA-256
+(written at build time, in the temporary folder, before the rename) and a SHA-256 of its own content.
+Every open of an entry (:meth:`PromptCache.verified_meta`, :meth:`PromptCache.verify`) reads each file in
+full and compares; a file truncated, grown, changed in place at the same size (whatever its modification
+time says), missing or unreadable, a ``meta.json`` damaged or edited, or an entry of an older version
+without checksums fails. Such an entry is never used: :meth:`PromptCache.verified_meta` warns
+(:class:`PromptCacheWarning`, naming the entry and what is wrong), renames the folder aside to
+``<entry>.corrupt-<time>-<pid>-<tag>`` (``.unverified-`` for an older version's entry; kept, never read
+again) and the caller rebuilds it. A build whose rename finds an entry already in place keeps that entry
+only if it passes the same checks; otherwise it moves it aside and retries.
 
 Each row is ``{"input_ids": [int], "prompt": str | messages, "columns": {name: value}, "row": int}``;
 ``row`` is the row's index in its source (its file order), the prompt's stable identity. The prompt and
@@ -27,17 +37,35 @@ import os
 import random
 import re
 import shutil
+import stat
+import time
 import uuid
+import warnings
 from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from rloo_lightning.data.encode import PromptEncoder
 from rloo_lightning.data.sources import Source
 
-__all__ = ["FORMAT_VERSION", "PromptCache", "PromptRows"]
+__all__ = ["FORMAT_VERSION", "PromptCache", "PromptCacheError", "PromptCacheWarning", "PromptRows"]
 
 FORMAT_VERSION = 1
 WRITE_ROWS = 2048  # rows encoded and written per Arrow record batch
+CHECKSUM = "sha256"  # the hashlib algorithm of meta.json's checksums (its name is their field's name)
+READ_BYTES = 1 << 20  # the read size while a file is hashed
+RENAME_TRIES = 5  # a build's attempts to rename its entry into place over entries that fail their checks
+CACHE_DIR_OPTION = ("data.cache_dir (--data.cache_dir, PromptDataModule's cache_dir; default "
+                    "$RLOO_LIGHTNING_CACHE/prompts, else ~/.cache/rloo_lightning/prompts)")
+
+
+class PromptCacheError(OSError):
+    """A cache entry that cannot be used (and cannot be rebuilt here), or a cache folder that cannot be written."""
+
+
+class PromptCacheWarning(UserWarning):
+    """A cache entry failed its checks: it was moved aside, and is rebuilt."""
 
 
 def _schema():
@@ -140,18 +168,68 @@ class _Writer:
     def __init__(self, path: Path) -> None:
         import pyarrow as pa
 
-        self.sink = pa.OSFile(str(path), "wb")
-        self.writer = pa.ipc.new_stream(self.sink, _schema())
+        self.path = path
+        with _writing(path):
+            self.sink = pa.OSFile(str(path), "wb")
+            self.writer = pa.ipc.new_stream(self.sink, _schema())
         self.rows = 0
 
     def write(self, batch) -> None:
         if batch.num_rows:
-            self.writer.write_batch(batch)
+            with _writing(self.path):
+                self.writer.write_batch(batch)
             self.rows += batch.num_rows
 
     def close(self) -> None:
-        self.writer.close()
-        self.sink.close()
+        with _writing(self.path):
+            self.writer.close()
+            self.sink.close()
+
+
+@contextmanager
+def _writing(path: Path):
+    """Turns an ``OSError`` while writing ``path`` into a :class:`PromptCacheError` naming it and the option."""
+    try:
+        yield
+    except PromptCacheError:
+        raise
+    except OSError as err:
+        raise PromptCacheError(f"prompt cache: cannot write {path} ({err}); free space there, or set "
+                               f"{CACHE_DIR_OPTION} to a writable folder") from err
+
+
+def _file_digest(path: Path) -> str:
+    """The ``CHECKSUM`` hex digest of the file at ``path``, read ``READ_BYTES`` at a time (not memory-mapped: the
+    pages read are not added to this process's resident set)."""
+    digest = hashlib.new(CHECKSUM)
+    buffer = bytearray(READ_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def _meta_checksum(meta: dict) -> str:
+    """The checksum of ``meta.json``'s content: everything but its ``checksum`` field, as canonical JSON."""
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    return hashlib.new(CHECKSUM, json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _as_json(value):
+    """``value`` as it reads back from ``meta.json`` (tuples become lists, unknown types their ``str``)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+@dataclass
+class _Verdict:
+    """What :meth:`PromptCache._inspect` found: an entry that passes (``meta``), one that fails (``problem``), or
+    none (both ``None``). ``folder`` is the entry folder's ``(st_dev, st_ino)`` as inspected."""
+
+    meta: dict | None = None
+    problem: str | None = None
+    unverified: bool = False  # it fails because it has no checksums (an older version's entry)
+    folder: tuple[int, int] | None = None
 
 
 def _encode_into(source: Source, encoder: PromptEncoder, writer: _Writer) -> tuple[int, list[int]]:
@@ -203,14 +281,146 @@ class PromptCache:
         return self.path / "meta.json"
 
     def exists(self) -> bool:
+        """Whether the entry's ``meta.json`` is there (not whether the entry passes its checks: see
+        :meth:`verified_meta`)."""
         return self.meta_path.is_file()
 
     def meta(self) -> dict:
+        """The entry's ``meta.json``, unchecked (see :meth:`verify`)."""
         return json.loads(self.meta_path.read_text())
 
-    def open(self) -> dict[str, PromptRows]:
-        """The entry's splits, memory-mapped."""
-        return {split: PromptRows.open(self.path / f"{split}.arrow") for split in self.meta()["splits"]}
+    def verified_meta(self) -> dict | None:
+        """The entry's metadata once every file passes its checks (each file read in full and hashed), or
+        ``None``: not built, or it failed them. A failing entry is renamed aside with a
+        :class:`PromptCacheWarning` naming it and what is wrong, so that it is never used again; build it anew."""
+        verdict = self._inspect()
+        if verdict.problem is None:
+            return verdict.meta
+        self._move_aside(verdict)
+        return None
+
+    def verify(self) -> dict:
+        """The entry's metadata once every file passes its checks; :class:`PromptCacheError` naming the entry and
+        what is wrong otherwise (nothing is moved: :meth:`verified_meta` does that)."""
+        verdict = self._inspect()
+        if verdict.meta is None:
+            problem = verdict.problem or "it is not built"
+            raise PromptCacheError(f"prompt cache entry {self.path}: {problem}; the next PromptDataModule start "
+                                   "(prepare_data or setup) moves it aside and rebuilds it")
+        return verdict.meta
+
+    def open(self, meta: dict | None = None) -> dict[str, PromptRows]:
+        """The entry's splits, memory-mapped. ``meta``: what :meth:`verified_meta` or :meth:`build` just returned
+        for this entry (the files are then not hashed again); without it the entry is checked first
+        (:meth:`verify`)."""
+        import pyarrow as pa
+
+        meta = self.verify() if meta is None else meta
+        splits = {}
+        for split, count in meta["splits"].items():
+            path = self.path / f"{split}.arrow"
+            try:
+                rows = PromptRows.open(path)
+            except (OSError, pa.ArrowException) as err:
+                raise PromptCacheError(f"prompt cache entry {self.path}: {path.name} cannot be read ({err}); delete "
+                                       "the entry folder, it is rebuilt on the next start") from err
+            if len(rows) != count:
+                raise PromptCacheError(f"prompt cache entry {self.path}: {path.name} holds {len(rows)} rows, "
+                                       f"meta.json says {count}; delete the entry folder, it is rebuilt on the next "
+                                       "start")
+            splits[split] = rows
+        return splits
+
+    def _inspect(self) -> _Verdict:
+        """Checks the entry: ``meta.json`` against its own checksum and the key, then every file it lists against
+        its size and checksum. The first problem found is the verdict."""
+        try:
+            st = os.stat(self.path)
+        except (FileNotFoundError, NotADirectoryError):  # not there (or a folder above it is a file)
+            return _Verdict()
+        except OSError as err:
+            return _Verdict(problem=f"the folder cannot be read ({err})")
+        folder = (st.st_dev, st.st_ino)
+
+        def bad(problem: str, unverified: bool = False) -> _Verdict:
+            return _Verdict(problem=problem, unverified=unverified, folder=folder)
+
+        if not stat.S_ISDIR(st.st_mode):
+            return bad("it is not a folder")
+        try:
+            text = self.meta_path.read_bytes()
+        except FileNotFoundError:
+            return bad("meta.json is missing")
+        except OSError as err:
+            return bad(f"meta.json cannot be read ({err})")
+        try:
+            meta = json.loads(text)
+        except ValueError:
+            return bad(f"meta.json is not valid JSON ({len(text)} bytes: truncated or overwritten)")
+        if not isinstance(meta, dict) or "checksum" not in meta or not isinstance(meta.get("files"), dict):
+            return bad("meta.json has no checksums (an entry written by a version of rloo_lightning that did not "
+                       "record them), so its files cannot be verified", unverified=True)
+        if meta["checksum"] != _meta_checksum(meta):
+            return bad("meta.json does not match its own checksum (edited or damaged after it was written)")
+        if json.dumps(meta.get("key"), sort_keys=True) != json.dumps(self.key_fields, sort_keys=True, default=str):
+            return bad("meta.json records another key than the folder's name")
+        splits = meta.get("splits")
+        if not isinstance(splits, dict):
+            return bad("meta.json lists no splits")
+        for name in (f"{split}.arrow" for split in splits):
+            expected = meta["files"].get(name)
+            if not (isinstance(expected, dict) and CHECKSUM in expected and "bytes" in expected):
+                return bad(f"meta.json has no {CHECKSUM} checksum and size of {name}")
+            path = self.path / name
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                return bad(f"{name} is missing")
+            except OSError as err:
+                return bad(f"{name} cannot be read ({err})")
+            if size != expected["bytes"]:
+                how = "truncated" if size < expected["bytes"] else "longer than written"
+                return bad(f"{name} is {how}: {size} bytes, {expected['bytes']} when it was built")
+            try:
+                digest = _file_digest(path)
+            except FileNotFoundError:  # since the stat: the entry was moved aside meanwhile
+                return bad(f"{name} is missing")
+            except OSError as err:
+                return bad(f"{name} cannot be read ({err})")
+            if digest != expected[CHECKSUM]:
+                return bad(f"{name} does not match its {CHECKSUM} checksum: its size is the one it was built with, "
+                           "its content changed")
+        return _Verdict(meta=meta, folder=folder)
+
+    def _move_aside(self, verdict: _Verdict) -> None:
+        """Renames the entry that ``verdict`` found bad to ``<entry>.corrupt-<time>-<pid>-<tag>`` (``.unverified-``
+        for an entry without checksums), with a warning. If another process moved it first, there is nothing to
+        move; if another process has meanwhile put a fresh entry in its place (the folder renamed is not the one
+        inspected), that one is put back."""
+        what = f"prompt cache entry {self.path}: {verdict.problem}"
+        kind = "unverified" if verdict.unverified else "corrupt"
+        aside = self.path.with_name(f"{self.path.name}.{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-"
+                                    f"{uuid.uuid4().hex[:6]}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            warnings.warn(f"{what}; another process has already moved it aside. Rebuilding it.", PromptCacheWarning,
+                          stacklevel=3)
+            return
+        except OSError as err:
+            raise PromptCacheError(f"{what}; it cannot be moved aside ({err}): delete the folder, or set "
+                                   f"{CACHE_DIR_OPTION} to a writable folder") from err
+        if verdict.folder is not None:
+            st = os.stat(aside)
+            if (st.st_dev, st.st_ino) != verdict.folder:  # a fresh entry, put in place since it was inspected
+                try:
+                    os.rename(aside, self.path)
+                except OSError:  # and yet another is in place by now: this one is a duplicate of it
+                    shutil.rmtree(aside, ignore_errors=True)
+                warnings.warn(f"{what}; another process has already replaced it.", PromptCacheWarning, stacklevel=3)
+                return
+        warnings.warn(f"{what}. Moved aside to {aside} (kept for inspection, never read again: delete it when done); "
+                      "rebuilding the entry.", PromptCacheWarning, stacklevel=3)
 
     def build(self, sources: dict[str, Source], encoder: PromptEncoder, hold_out: tuple[str, float, int] | None = None
               ) -> dict:
@@ -220,10 +430,18 @@ class PromptCache:
         its n rows, chosen by ``random.Random(seed)``'s shuffle of the row indices, go to ``split``
         (``validation``) and the others to ``train``; long prompts are dropped (or raise) before the split is
         drawn, and the draw is over all n rows, so it does not depend on the length limit.
+
+        The files' sizes and checksums go into ``meta.json`` before the folder is renamed into place. If an entry
+        is there already (another process built it first), it is kept if it passes its checks and this build is
+        dropped; otherwise it is moved aside (:meth:`verified_meta`) and the rename retried.
         """
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.parent / f".{self.path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+        except OSError as err:
+            raise PromptCacheError(f"prompt cache: cannot write to the folder {self.path.parent} ({err}); set "
+                                   f"{CACHE_DIR_OPTION} to a writable folder") from err
         try:
             meta = {"key": self.key_fields, "splits": {}, "dropped": {}, "source_rows": {}}
             if hold_out is None:
@@ -236,17 +454,36 @@ class PromptCache:
                         meta["dropped"][split] = len(dropped)
             else:
                 self._build_split(tmp, next(iter(sources.values())), encoder, *hold_out, meta)
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
-            try:
-                os.rename(tmp, self.path)
-            except OSError:  # another process completed the same entry first: its rows are these rows
-                if not self.exists():
-                    raise
-                shutil.rmtree(tmp, ignore_errors=True)
+            meta["files"] = {f"{split}.arrow": {"bytes": (tmp / f"{split}.arrow").stat().st_size,
+                                                CHECKSUM: _file_digest(tmp / f"{split}.arrow")}
+                             for split in meta["splits"]}
+            meta = _as_json(meta)
+            meta["checksum"] = _meta_checksum(meta)
+            with _writing(tmp / "meta.json"):
+                (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            return self._put_in_place(tmp, meta)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return self.meta()
+
+    def _put_in_place(self, tmp: Path, meta: dict) -> dict:
+        """Renames the complete folder ``tmp`` to the entry; the metadata of the entry in place in the end."""
+        error = None
+        for _ in range(RENAME_TRIES):
+            try:
+                os.rename(tmp, self.path)
+                return meta
+            except OSError as err:
+                error = err
+            verdict = self._inspect()  # what is in the way
+            if verdict.meta is not None:  # another process completed the same entry first: its rows are these rows
+                shutil.rmtree(tmp, ignore_errors=True)
+                return verdict.meta
+            if verdict.problem is not None:  # it fails its checks: never kept, whoever put it there
+                self._move_aside(verdict)
+        raise PromptCacheError(f"prompt cache entry {self.path}: cannot rename the built entry into place after "
+                               f"{RENAME_TRIES} tries ({error}); set {CACHE_DIR_OPTION} to a writable folder "
+                               "that only rloo_lightning writes to")
 
     @staticmethod
     def _build_split(tmp: Path, source: Source, encoder: PromptEncoder, val_split: str, val_size: float, seed: int,

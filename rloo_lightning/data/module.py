@@ -211,12 +211,14 @@ class PromptDataModule(LightningDataModule):
         return [self._fit_cache()]
 
     def _ensure(self, cache: PromptCache, sources: dict, hold_out) -> dict:
-        """The entry's metadata, building the entry first if it is not there."""
-        if not cache.exists():
+        """The entry's metadata once its files pass their checks, building the entry first if it is not there or
+        failed them (it is then moved aside, with a warning: :meth:`PromptCache.verified_meta`)."""
+        meta = cache.verified_meta()
+        if meta is None:
             names = ", ".join(sorted({s.name for s in sources.values()}))
             rank_zero_info(f"PromptDataModule: building the prompt cache of {names} in {cache.path}")
-            cache.build(sources, self.encoder, hold_out)
-        return cache.meta()
+            meta = cache.build(sources, self.encoder, hold_out)
+        return meta
 
     def prepare_data(self) -> None:
         """Builds the prompt cache the trainer's stage reads, once per node (Lightning calls it on one process
@@ -256,7 +258,7 @@ class PromptDataModule(LightningDataModule):
             if stage not in self._loaded:
                 (cache, sources, hold_out), = self._caches(stage)
                 meta = self._ensure(cache, sources, hold_out)
-                rows = cache.open()[stage]
+                rows = cache.open(meta)[stage]
                 self._log_dropped(meta)
                 source = hp.predict_file if stage == "predict" else hp.test_file
                 rank_zero_info(f"PromptDataModule: {len(rows)} {stage} prompts from {stage}_file {source}")
@@ -302,7 +304,7 @@ class PromptDataModule(LightningDataModule):
         hp = self.hparams
         (cache, sources, hold_out), = self._caches("fit")
         meta = self._ensure(cache, sources, hold_out)
-        splits = cache.open()
+        splits = cache.open(meta)
         self.train_rows, self.val_rows = splits["train"], splits["validation"]
         self.dropped = {}
         self._log_dropped(meta)
