@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 from rloo_lightning import stop
 from rloo_lightning.callbacks.progress import StepProgressBar
+from rloo_lightning.checkpoint_io import check_checkpoint_path, install_atomic_checkpoint_io, local_checkpoint_path
 from rloo_lightning.config import RENAMED
 from rloo_lightning.data import PromptDataModule
 from rloo_lightning.export import checkpoint_hparams, main as export_main
@@ -71,6 +72,9 @@ class RLOOCLI(LightningCLI):
         enabled = kwargs.get("enable_progress_bar", config.get("enable_progress_bar"))
         default_bar = enabled is not False and not any(isinstance(c, ProgressBar) for c in given)
         trainer = super().instantiate_trainer(**kwargs)
+        # Checkpoint files written beside their destination and renamed into place (never half-written), unless
+        # a checkpoint IO plugin of the user's is configured.
+        install_atomic_checkpoint_io(trainer.strategy)
         if default_bar:
             at = [i for i, c in enumerate(trainer.callbacks) if isinstance(c, ProgressBar)]
             if len(at) == 1 and type(trainer.callbacks[at[0]]) in (RichProgressBar, TQDMProgressBar):
@@ -86,8 +90,18 @@ class RLOOCLI(LightningCLI):
             subcommand = _subcommand_of(argv)
             ckpt = _option_value(argv, "--ckpt_path")
             if subcommand in getattr(self, "_subcommand_parsers", {}) and ckpt:
-                _set_checkpoint_defaults(self._subcommand_parsers[subcommand], *checkpoint_hparams(ckpt))
+                check_checkpoint_path(ckpt)  # a truncated or non-checkpoint file: one line naming it
+                self._checked_ckpt_path = ckpt
+                local = local_checkpoint_path(ckpt)  # None: Lightning's "last" / "best" / "hpc" / "registry" / a URL
+                if local is not None:
+                    _set_checkpoint_defaults(self._subcommand_parsers[subcommand], *checkpoint_hparams(local))
         super().parse_arguments(parser, args)
+
+    def before_instantiate_classes(self) -> None:
+        """``ckpt_path`` given in a config file: checked as the command line's is, before the model is built."""
+        ckpt = self._get(self.config, "ckpt_path")
+        if ckpt is not None and ckpt != getattr(self, "_checked_ckpt_path", None):
+            check_checkpoint_path(ckpt)
 
     def _parse_ckpt_path(self) -> None:
         """Done in :meth:`parse_arguments`, as defaults (see there)."""

@@ -16,9 +16,12 @@ import torch
 __all__ = ["read_checkpoint", "checkpoint_hparams", "module_from_checkpoint", "export_checkpoint", "main"]
 
 
-def _check_exists(path: Path) -> None:
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+def _check_exists(path: Path, option: str = "checkpoint") -> None:
+    """One line naming ``path`` when it does not exist, is truncated or is not a checkpoint (see
+    :func:`rloo_lightning.checkpoint_io.check_checkpoint_path`), before torch reads it."""
+    from rloo_lightning.checkpoint_io import check_checkpoint_path
+
+    check_checkpoint_path(path, option, lightning_values=False)
     if path.is_dir() and not (path / "meta.pt").is_file():
         raise ValueError(f"{path} is a folder but not a sharded checkpoint (no meta.pt)")
 
@@ -111,6 +114,7 @@ def main(argv: list[str]) -> None:
                              "policy.lora_export)")
     args = parser.parse_args(argv)
     ckpt = Path(args.ckpt_path)
+    _check_exists(ckpt, "--ckpt_path")
     output_dir = Path(args.output_dir) if args.output_dir else ckpt.parent / f"{ckpt.stem}-hf"
     written = export_checkpoint(ckpt, output_dir, args.model_name_or_path, args.lora_export)
     print(f"exported {ckpt} -> {written.resolve()}")

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import copy
 import os
-import shutil
-import tempfile
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -13,6 +12,14 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from rloo_lightning import stop
+from rloo_lightning.checkpoint_io import (
+    atomic_copy,
+    install_atomic_checkpoint_io,
+    remove_stale_temps,
+    replace_path,
+    saves_a_folder,
+    staging_path,
+)
 
 __all__ = ["FinalCheckpoint"]
 
@@ -54,6 +61,7 @@ class FinalCheckpoint(Callback):
         self.every_n_steps = every_n_steps
         self._saved_step: int | None = None  # global step of the last.ckpt written in this fit, if any
         self._train_started = False
+        self._boundary: dict | None = None  # the state at the end of the last step (one process)
 
     # -- where -------------------------------------------------------------------------------------
     @staticmethod
@@ -98,7 +106,24 @@ class FinalCheckpoint(Callback):
                 cb.last_model_path = os.path.join(str(cb.dirpath), cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION)
         self._refresh_after_resume(trainer, target)
 
+    def _keep_boundary(self, trainer: Trainer, pl_module: LightningModule, where: str) -> None:
+        """The state a stop at this step's end saves, for a SIGTERM inside the next step (stop.py): what a step
+        changes before its optimizer step (the weights, optimizer and schedulers change only there)."""
+        if trainer.world_size == 1 and trainer.global_step > 0 and self._enabled(trainer):
+            self._boundary = _boundary_state(trainer, pl_module, where)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and self._boundary is not None:
+            self._keep_boundary(trainer, pl_module, "validation")  # a validation at the step's end changed it
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._boundary is not None:
+            self._keep_boundary(trainer, pl_module, "epoch")  # so did the end of the epoch
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or trainer.fit_loop.epoch_loop.batch_progress \
+                .is_last_batch:  # an optimizer step ended with this batch
+            self._keep_boundary(trainer, pl_module, "batch")
         step = trainer.global_step
         if (
             self.every_n_steps > 0
@@ -119,7 +144,14 @@ class FinalCheckpoint(Callback):
         # flag is broadcast), so the steps since the last checkpoint are kept as a resumable last.ckpt.
         if not isinstance(exception, SIGTERMException) or not self._enabled(trainer) or trainer.global_step == 0:
             return
-        if not self._last_is_current(trainer):
+        if stop.aborted_step():  # stopped inside a step: its start's state, as a stop at the step before writes
+            if self._saved_step != trainer.global_step and self._boundary is not None:
+                pl_module._checkpoint_rewind = self._boundary
+                try:
+                    self._save(trainer)
+                finally:
+                    pl_module._checkpoint_rewind = None
+        elif not self._last_is_current(trainer):
             self._save(trainer)
         path = self.last_path(trainer)
         rank_zero_info(f"stopped by SIGTERM after step {trainer.global_step}; {path} holds that step: resume with "
@@ -147,11 +179,28 @@ class FinalCheckpoint(Callback):
 
     # -- how ---------------------------------------------------------------------------------------
     def _save(self, trainer: Trainer) -> None:
-        # Every rank: a collective under DDP / FSDP. A full checkpoint (optimizer, loops, callbacks): resumable.
+        """Write ``last.ckpt`` so that a kill at any moment leaves the previous one or this one.
+
+        Every rank: a collective under DDP / FSDP. A full checkpoint (optimizer, loops, callbacks): resumable.
+        A file goes through :class:`~rloo_lightning.checkpoint_io.AtomicCheckpointIO` (installed here if the
+        strategy still has Lightning's default IO: a trainer made outside the CLI). A folder (a sharded
+        strategy's: it bypasses the checkpoint IO) is saved under a hidden name beside ``last.ckpt`` and swapped
+        in by global rank 0 once every rank has written its shards.
+        """
+        target = self.last_path(trainer)
+        install_atomic_checkpoint_io(trainer.strategy)
         before = stop.phase()
         stop.set_phase("saving")  # a SIGTERM during the write waits for it
         try:
-            trainer.save_checkpoint(self.last_path(trainer), weights_only=False)
+            if saves_a_folder(trainer.strategy) and _is_local(target):
+                staged = trainer.strategy.broadcast(staging_path(target))  # rank 0's name, the same on every rank
+                trainer.save_checkpoint(staged, weights_only=False)  # ends with a barrier: every shard is written
+                if trainer.is_global_zero:
+                    remove_stale_temps(os.path.dirname(staged))
+                    replace_path(staged, target)
+                trainer.strategy.barrier("FinalCheckpoint.save")
+            else:
+                trainer.save_checkpoint(target, weights_only=False)
         finally:
             stop.set_phase(before)
         self._saved_step = trainer.global_step
@@ -183,6 +232,40 @@ class FinalCheckpoint(Callback):
         self._saved_step = trainer.global_step
 
 
+def _boundary_state(trainer: Trainer, pl_module: LightningModule, where: str) -> dict:
+    """What a checkpoint written at this step's end holds and the next step may change before its optimizer step:
+    the loops (their counters as at that end), the callbacks' states, the module's own entries and its small
+    buffers. Copied, so the next step's changes do not reach it; the weights are not (they change only at the
+    optimizer step), except a reference that a step mixes first (``kl.ref_sync_steps``), whose entry is cloned.
+
+    ``where`` it is taken decides which of Lightning's counters are still to come at that step's end:
+    ``batch`` (``on_train_batch_end``: the batch completed, the step for the loggers), ``validation`` (a validation
+    after it: the step for the loggers) or ``epoch`` (the epoch's end after it: the epoch completed)."""
+    from lightning.pytorch.trainer import call
+
+    loops = copy.deepcopy(trainer._checkpoint_connector._get_loops_state_dict())
+    fit = loops["fit_loop"]
+    counted = {"batch": [("epoch_loop.batch_progress", "completed")], "validation": [], "epoch": [
+        ("epoch_progress", "completed")]}[where]
+    for progress, counter in counted:
+        for scope in ("total", "current"):
+            fit[progress][scope][counter] += 1
+    if where != "epoch":
+        fit["epoch_loop.state_dict"]["_batches_that_stepped"] += 1
+    extras: dict = {"state_dict": {}}
+    pl_module.on_save_checkpoint(extras)
+    extras.pop("state_dict")
+    extras = {key: _cloned(value) if key == "rloo_reference" else copy.deepcopy(value) for key, value in extras.items()}
+    buffers = {name: value.detach().clone() for name, value in pl_module.named_buffers() if value.numel() < 1024}
+    return {"loops": loops, "callbacks": copy.deepcopy(call._call_callbacks_state_dict(trainer)), "extras": extras,
+            "buffers": buffers}
+
+
+def _cloned(state: dict) -> dict:
+    return {key: value.detach().clone() if hasattr(value, "detach") else copy.deepcopy(value)
+            for key, value in state.items()}
+
+
 def _plain_last_name(cb: ModelCheckpoint) -> bool:
     """``last`` without ``{metric}`` fields, and a folder: its last checkpoint has one fixed path."""
     return cb.dirpath is not None and "{" not in cb.CHECKPOINT_NAME_LAST and _is_local(str(cb.dirpath))
@@ -201,31 +284,9 @@ def _same_path(a: str | None, b: str | None) -> bool:
 def _atomic_copy(source: str, target: str) -> None:
     """Copy a checkpoint file (or a sharded checkpoint folder) to ``target``.
 
-    As Lightning's own saves: written to a temporary path in ``$TMPDIR`` first, then moved into place
-    (a rename on the same file system), so a crash never leaves a partial file in the checkpoint folder.
+    The copy is staged beside ``target`` (a hidden ``.last.ckpt.tmp-...`` name; never in ``$TMPDIR``, which
+    may be another filesystem, where a move is a copy again) and renamed over it: a kill leaves the old
+    ``target`` or the whole copy. A symlink ``target`` (``save_last="link"``) is replaced, not the file it
+    points to. See :func:`rloo_lightning.checkpoint_io.atomic_copy`.
     """
-    if os.path.isdir(source):
-        tmp = tempfile.mkdtemp()
-        staged = os.path.join(tmp, "ckpt")
-        try:
-            shutil.copytree(source, staged)
-            if os.path.isdir(target) and not os.path.islink(target):
-                shutil.rmtree(target)
-            elif os.path.lexists(target):
-                os.remove(target)
-            shutil.move(staged, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return
-    fd, tmp = tempfile.mkstemp()
-    os.close(fd)
-    try:
-        shutil.copyfile(source, tmp)
-        if os.path.isdir(target) and not os.path.islink(target):
-            shutil.rmtree(target)
-        elif os.path.islink(target):
-            os.remove(target)  # a save_last="link" symlink: replace the link, not the file it points to
-        shutil.move(tmp, target)
-    finally:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
+    atomic_copy(source, target)

@@ -1,0 +1,481 @@
+"""Checkpoints that cannot be half-written, and a ``--ckpt_path`` check that says what is wrong with a file.
+
+**Writing.** Lightning's :class:`~lightning.fabric.plugins.io.torch_io.TorchCheckpointIO` saves through an
+fsspec transaction: the whole checkpoint goes to a temporary file made by ``tempfile.mkstemp()`` (in
+``$TMPDIR``), which is then moved into place. On the checkpoint's own filesystem the move is a rename; across
+filesystems (``$TMPDIR`` on a local disk or ``/dev/shm``, checkpoints on a shared one: the usual case on
+clusters) it is a copy that writes the destination in place, and a kill during it leaves a truncated file.
+
+:func:`atomic_write` writes next to the destination instead, whatever ``$TMPDIR`` is: the data goes to an
+anonymous file of the destination's folder (Linux ``O_TMPFILE``: it has no name, so a kill while it is written
+leaves nothing behind) or, where the filesystem has no ``O_TMPFILE`` or the file cannot be given a name
+afterwards, to a hidden ``.<name>.tmp-<pid>@<host>-<random>`` file; it is flushed and ``fsync``-ed, renamed
+over the destination (``os.replace``: atomic on a POSIX filesystem) and the folder is ``fsync``-ed. A kill at
+any moment leaves the old file or the new one under the destination's name, never a part of one. A hidden
+temporary file that a kill left behind is never mistaken for a checkpoint (it does not end in ``.ckpt``); the
+next save into the same folder removes those of dead processes of this host (:func:`remove_stale_temps`).
+
+:class:`AtomicCheckpointIO` is Lightning's ``TorchCheckpointIO`` with that write (a remote fsspec URL still goes
+through Lightning's own save); :func:`install_atomic_checkpoint_io` puts it on a strategy that has Lightning's
+default one. :func:`replace_path` swaps a staged folder (a sharded checkpoint) in with renames
+(``renameat2(RENAME_EXCHANGE)`` where the kernel and filesystem have it: one atomic step).
+
+**Checking.** :func:`check_checkpoint_path` tells a truncated file, a file that is not a checkpoint and an
+incomplete sharded folder apart without loading the weights: a zip archive's central directory sits at its
+end (a cut-off save has none), and the archive's small ``data.pkl`` (the pickled structure: keys and
+hyperparameters, tensors by reference) is scanned, not unpickled, for the keys every Lightning checkpoint has.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import pickletools
+import re
+import secrets
+import shutil
+import socket
+import struct
+import sys
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+__all__ = ["AtomicCheckpointIO", "atomic_write", "atomic_copy", "replace_path", "staging_path", "remove_stale_temps",
+           "install_atomic_checkpoint_io", "saves_a_folder", "check_checkpoint_path", "checkpoint_file_problem",
+           "local_checkpoint_path", "LIGHTNING_KEYS"]
+
+# Every checkpoint Lightning writes has both (Lightning itself reads the version before anything else).
+LIGHTNING_KEYS = ("pytorch-lightning_version", "state_dict")
+# ``ckpt_path`` values that Lightning resolves itself ("registry:<name>" too).
+_SPECIAL = ("last", "best", "hpc")
+_TEMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)@(?P<host>.*)-[0-9a-f]{8}$")
+_HOST = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"
+_LEGACY_TORCH = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"  # the legacy format's magic number
+_AT_FDCWD, _AT_EMPTY_PATH, _RENAME_EXCHANGE = -100, 0x1000, 2
+# How an O_TMPFILE file is given a name, per filesystem (st_dev): "empty_path", "proc", or None (named temp files).
+_LINK_METHOD: dict[int, str | None] = {}
+_USE_TMPFILE = hasattr(os, "O_TMPFILE") and sys.platform.startswith("linux")
+
+
+# -- writing -----------------------------------------------------------------------------------------------------
+def staging_path(target: str | os.PathLike, kind: str = "tmp") -> str:
+    """A hidden name next to ``target`` for its next version: ``.<name>.tmp-<pid>@<host>-<random>``."""
+    target = os.path.abspath(os.fspath(target))
+    folder, name = os.path.split(target)
+    return os.path.join(folder, f".{name}.{kind}-{os.getpid()}@{_HOST}-{secrets.token_hex(4)}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # someone else's process, or no way to tell: keep its file
+    return True
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def remove_stale_temps(folder: str | os.PathLike) -> list[str]:
+    """Remove the hidden temporary files and folders that a killed save of this host left in ``folder``.
+
+    Only those of processes that no longer run (their pid is in the name; another host's are left alone). A
+    ``.<name>.old-...`` one is the previous checkpoint of a folder swap cut off between its two renames: it is
+    renamed back to ``<name>`` when nothing took that name since, else removed. Returns the names handled.
+    """
+    handled = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return handled
+    for entry in entries:
+        m = _TEMP_RE.match(entry.name)
+        if not m or m["host"] != _HOST or _pid_alive(int(m["pid"])):
+            continue
+        target = os.path.join(folder, m["name"])
+        try:
+            if m["kind"] == "old" and not os.path.lexists(target):
+                os.rename(entry.path, target)
+            else:
+                _remove(entry.path)
+        except OSError:
+            continue
+        handled.append(entry.name)
+    return handled
+
+
+def _fsync_dir(folder: str) -> None:
+    """Make a rename in ``folder`` durable (a no-op where folders cannot be opened or synced)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def _link_anonymous(fd: int, path: str, method: str) -> None:
+    """Give the ``O_TMPFILE`` file open as ``fd`` the name ``path``."""
+    if method == "empty_path":
+        libc = _libc()
+        if libc is None or libc.linkat(fd, b"", _AT_FDCWD, os.fsencode(path), _AT_EMPTY_PATH) != 0:
+            err = ctypes.get_errno() if libc is not None else errno.ENOSYS
+            raise OSError(err, os.strerror(err), path)
+    else:
+        os.link(f"/proc/self/fd/{fd}", path, follow_symlinks=True)
+
+
+def _link_method(folder: str) -> str | None:
+    """How an anonymous file of ``folder`` can be named, probed once per filesystem: ``linkat(AT_EMPTY_PATH)``
+    (privileged on older kernels), ``/proc/self/fd`` (the unprivileged way, absent in some sandboxes), or None."""
+    if not _USE_TMPFILE:
+        return None
+    try:
+        dev = os.stat(folder).st_dev
+    except OSError:
+        return None
+    if dev not in _LINK_METHOD:
+        _LINK_METHOD[dev] = None
+        for method in ("empty_path", "proc"):
+            probe = staging_path(os.path.join(folder, "probe"))
+            try:
+                fd = os.open(folder, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+            except OSError:
+                break  # no O_TMPFILE on this filesystem
+            try:
+                _link_anonymous(fd, probe, method)
+                os.unlink(probe)
+                _LINK_METHOD[dev] = method
+                break
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+    return _LINK_METHOD[dev]
+
+
+def _open_anonymous(folder: str) -> tuple[int, str] | None:
+    method = _link_method(folder)
+    if method is None:
+        return None
+    try:
+        return os.open(folder, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o666), method  # mode: as a plain file's
+    except OSError:
+        return None
+
+
+def atomic_write(target: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> None:
+    """Write ``target`` through ``write(file)`` so that it holds the old content or the new, never a part.
+
+    The data is written next to ``target`` (never in ``$TMPDIR``), synced to disk, and renamed over it. On
+    any error (or ``KeyboardInterrupt``) the temporary file is removed and ``target`` is left as it was.
+    A ``target`` that is a symlink is replaced by the file (the link's target is left alone), as Lightning does.
+    ``write`` is called once, or twice where naming an anonymous file fails after the probe said it works.
+    """
+    target = os.path.abspath(os.fspath(target))
+    folder = os.path.dirname(target)
+    os.makedirs(folder, exist_ok=True)
+    remove_stale_temps(folder)
+    tmp: str | None = None
+    try:
+        anonymous = _open_anonymous(folder)
+        if anonymous is not None:
+            fd, method = anonymous
+            with os.fdopen(fd, "wb") as f:  # no name yet: a kill now leaves nothing behind
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+                name = staging_path(target)
+                try:
+                    _link_anonymous(f.fileno(), name, method)
+                    tmp = name
+                except OSError:
+                    _LINK_METHOD[os.stat(folder).st_dev] = None  # named temporary files from now on
+        if tmp is None:
+            tmp = staging_path(target)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+        replace_path(tmp, target)
+        tmp = None
+    finally:
+        if tmp is not None:
+            _remove(tmp)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap ``a`` and ``b`` in one atomic step (``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = _libc()
+    func = getattr(libc, "renameat2", None) if libc is not None else None
+    if func is None:
+        return False
+    if func(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def replace_path(staged: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Put ``staged`` (a file or a folder next to ``target``) in ``target``'s place, and drop the old one.
+
+    A file over a file or a symlink: one ``os.replace``. A folder involved: the two are exchanged in one
+    atomic step where the kernel and filesystem support it (Linux ``renameat2``; ext4, xfs, btrfs, tmpfs...),
+    else ``target`` is renamed aside to ``.<name>.old-...`` and ``staged`` into its place: a kill between
+    those two renames leaves the previous checkpoint under the ``.old-`` name, which the next save into the
+    folder renames back (:func:`remove_stale_temps`). The folder is synced after the rename.
+    """
+    staged, target = os.fspath(staged), os.fspath(target)
+    if not os.path.lexists(target):
+        os.rename(staged, target)
+    elif not os.path.isdir(staged) and (os.path.islink(target) or not os.path.isdir(target)):
+        os.replace(staged, target)
+    elif _exchange(staged, target):
+        _remove(staged)  # it holds the old checkpoint now
+    else:
+        old = staging_path(target, "old")
+        os.rename(target, old)
+        os.rename(staged, target)
+        _remove(old)
+    _fsync_dir(os.path.dirname(os.path.abspath(target)))
+
+
+def _fsync_tree(root: str) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(folder, name)
+            if os.path.islink(path):
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(folder)
+
+
+def atomic_copy(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Copy a checkpoint file, or a sharded checkpoint folder, to ``target`` through a copy staged next to it
+    (never in ``$TMPDIR``) and renamed into place: a kill leaves the old ``target`` or the whole copy."""
+    source, target = os.fspath(source), os.path.abspath(os.fspath(target))
+    if not os.path.isdir(source):
+        with open(source, "rb") as src:
+            def copy(f: IO[bytes]) -> None:
+                src.seek(0)
+                shutil.copyfileobj(src, f, 16 * 1024 * 1024)
+
+            atomic_write(target, copy)
+        return
+    folder = os.path.dirname(target)
+    os.makedirs(folder, exist_ok=True)
+    remove_stale_temps(folder)
+    staged = staging_path(target)
+    try:
+        shutil.copytree(source, staged, symlinks=True)
+        _fsync_tree(staged)
+        replace_path(staged, target)
+    finally:
+        if os.path.lexists(staged):
+            _remove(staged)
+
+
+def _local_path(path: str | os.PathLike) -> str | None:
+    """The local path of ``path`` (a plain path or a ``file://`` URL), else None (a remote fsspec URL)."""
+    text = os.fspath(path)
+    if "://" not in text and "::" not in text:
+        return text
+    if text.startswith("file://"):
+        return text[len("file://"):]
+    return None
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO`` whose saves cannot be half-written (:func:`atomic_write`): ``torch.save``
+    straight into a temporary file next to the destination (no in-memory copy of the whole checkpoint, no
+    ``$TMPDIR``), ``fsync``, then a rename over the destination. A remote fsspec URL goes through Lightning's own
+    save. Loading and removing are Lightning's."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
+                f" is not supported for `{self.__class__.__name__}`. Please implement your custom `CheckpointIO`"
+                " to define how you'd like to use `storage_options`.")
+        local = _local_path(path)
+        if local is None:
+            super().save_checkpoint(checkpoint, path)
+            return
+        atomic_write(local, lambda f: torch.save(checkpoint, f))
+
+
+def install_atomic_checkpoint_io(strategy: Any) -> bool:
+    """Give ``strategy`` an :class:`AtomicCheckpointIO` where it has Lightning's default ``TorchCheckpointIO``
+    (none configured yet, exactly that class, or inside a wrapper such as ``AsyncCheckpointIO``). A checkpoint IO
+    plugin of the user's (any other class) is left alone. Returns whether it installed one."""
+    from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+
+    io = getattr(strategy, "_checkpoint_io", None)
+    if io is None or type(io) is TorchCheckpointIO:
+        strategy.checkpoint_io = AtomicCheckpointIO()
+        return True
+    if isinstance(io, _WrappingCheckpointIO):
+        inner = io.checkpoint_io
+        if inner is None:
+            io.checkpoint_io = AtomicCheckpointIO()
+            return True
+        if type(inner) is TorchCheckpointIO:
+            io._checkpoint_io = AtomicCheckpointIO()  # the setter only fills an empty slot
+            return True
+    return False
+
+
+def saves_a_folder(strategy: Any) -> bool:
+    """Whether ``strategy.save_checkpoint`` writes a folder (torch.distributed.checkpoint shards and ``meta.pt``,
+    or DeepSpeed's files) rather than one file through its checkpoint IO."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(strategy, ModelParallelStrategy):
+        return bool(getattr(strategy, "_save_distributed_checkpoint", True))
+    if isinstance(strategy, FSDPStrategy):
+        return getattr(strategy, "_state_dict_type", "full") == "sharded"
+    return isinstance(strategy, DeepSpeedStrategy)
+
+
+# -- checking ----------------------------------------------------------------------------------------------------
+_TRUNCATED = "truncated (the file ends before its zip directory; a save was cut off?)"
+
+
+def _describe(head: bytes) -> str:
+    """What a file that is no zip archive looks like, from its first bytes."""
+    if head.startswith(b"GGUF"):
+        return "a GGUF model file"
+    if len(head) >= 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] > 1:
+        return "a safetensors file: weights only"
+    if head[:1] == b"\x80":
+        return "a pickle file, not one written by torch.save"
+    try:
+        text = head.decode("utf-8").lstrip()
+    except UnicodeDecodeError:
+        return "not a zip archive, which is what torch.save writes"
+    if text[:1] in ("{", "["):
+        return "a JSON file"
+    return "a text file"
+
+
+def _pickle_strings(data: bytes) -> set[str]:
+    """The string constants of a pickle, read with ``pickletools`` (nothing is executed or built)."""
+    return {arg for _, arg, _ in pickletools.genops(data) if isinstance(arg, str)}
+
+
+def checkpoint_file_problem(path: str | os.PathLike, keys: tuple[str, ...] = LIGHTNING_KEYS) -> str | None:
+    """What is wrong with a checkpoint file, as the end of a sentence; None when it looks whole.
+
+    Cheap whatever the file's size: the zip's central directory (at its end: a save cut off has none) and its
+    ``data.pkl`` (the pickled structure without the tensors' bytes: a few KB to a few MB), scanned for
+    ``keys``. A file in torch's legacy (non-zip) format is passed on unchecked.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    if size == 0:
+        return "truncated (an empty file; a save was cut off?)"
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if not zipfile.is_zipfile(path):
+        if head.startswith(b"PK\x03\x04") or b"PK\x03\x04".startswith(head):
+            return _TRUNCATED  # a zip's first entry, and no central directory after it
+        if head.startswith(_LEGACY_TORCH):
+            return None
+        return f"is not a checkpoint ({_describe(head)})"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+            pickles = [n for n in names if n.count("/") == 1 and n.endswith("/data.pkl")]
+            if not pickles:
+                return "is not a checkpoint (a zip archive, but not one written by torch.save)"
+            strings = _pickle_strings(archive.read(pickles[0]))
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, OSError) as exc:
+        return f"is damaged (its zip archive does not read: {exc})"
+    missing = [k for k in keys if k not in strings]
+    if missing:
+        return f"is not a checkpoint (a torch.save file without Lightning's {' and '.join(map(repr, missing))})"
+    return None
+
+
+def _folder_problem(path: Path) -> str | None:
+    meta, dcp = path / "meta.pt", path / ".metadata"
+    if (path / "latest").is_file():  # DeepSpeed's folder: its own loader checks it
+        return None
+    if meta.is_file():
+        problem = checkpoint_file_problem(meta, keys=LIGHTNING_KEYS[:1])
+        if problem:
+            return f"is a sharded checkpoint whose meta.pt {problem if problem.startswith('is ') else 'is ' + problem}"
+        if not dcp.is_file():
+            return "is an incomplete sharded checkpoint (no .metadata: a save was cut off?)"
+        return None
+    if dcp.is_file() or any(p.suffix == ".distcp" for p in path.iterdir()):
+        return "is an incomplete sharded checkpoint (no meta.pt: a save was cut off?)"
+    return "is a folder, not a checkpoint (a sharded checkpoint folder holds meta.pt and .metadata)"
+
+
+def local_checkpoint_path(path: str | os.PathLike) -> str | None:
+    """The local path a ``ckpt_path`` names; None for Lightning's special values (``last``, ``best``, ``hpc``,
+    ``registry[:...]``) and remote fsspec URLs, which Lightning resolves itself."""
+    text = os.fspath(path)
+    lowered = text.lower()
+    if text in _SPECIAL or lowered == "registry" or lowered.startswith("registry:"):
+        return None
+    return _local_path(text)
+
+
+def check_checkpoint_path(path: str | os.PathLike | None, option: str = "--ckpt_path",
+                          lightning_values: bool = True) -> None:
+    """Raise one clear error when ``path`` is not a checkpoint that loads: ``<option> <path>: truncated (...)``,
+    ``... is not a checkpoint (...)``, ``... does not exist`` (a ``FileNotFoundError``; the others are
+    ``ValueError``). Remote URLs are left to Lightning, and so are its special values unless
+    ``lightning_values`` is False (``export``: no trainer resolves them there, ``last`` is a file name)."""
+    if path is None:
+        return
+    local = local_checkpoint_path(path) if lightning_values else _local_path(path)
+    if local is None:
+        return
+    text = os.fspath(path)
+    p = Path(local)
+    if not p.exists():
+        old = sorted(p.parent.glob(f".{p.name}.old-*")) if p.parent.is_dir() else []
+        hint = (f" (a save was cut off while swapping it in: the previous one is {old[-1]}; rename it back)"
+                if old else "")
+        raise FileNotFoundError(f"{option} {text}: does not exist{hint}")
+    problem = _folder_problem(p) if p.is_dir() else checkpoint_file_problem(p)
+    if problem:
+        raise ValueError(f"{option} {text}: {problem}")
