@@ -459,11 +459,12 @@ def local_checkpoint_path(path: str | os.PathLike) -> str | None:
 
 
 def check_checkpoint_path(path: str | os.PathLike | None, option: str = "--ckpt_path",
-                          lightning_values: bool = True) -> None:
+                          lightning_values: bool = True, keys: tuple[str, ...] = LIGHTNING_KEYS) -> None:
     """Raise one clear error when ``path`` is not a checkpoint that loads: ``<option> <path>: truncated (...)``,
     ``... is not a checkpoint (...)``, ``... does not exist`` (a ``FileNotFoundError``; the others are
     ``ValueError``). Remote URLs are left to Lightning, and so are its special values unless
-    ``lightning_values`` is False (``export``: no trainer resolves them there, ``last`` is a file name)."""
+    ``lightning_values`` is False (``export``: no trainer resolves them there, ``last`` is a file name). ``keys``:
+    what the pickled structure must name (export reads a plain state dict too: none)."""
     if path is None:
         return
     local = local_checkpoint_path(path) if lightning_values else _local_path(path)
@@ -476,6 +477,6 @@ def check_checkpoint_path(path: str | os.PathLike | None, option: str = "--ckpt_
         hint = (f" (a save was cut off while swapping it in: the previous one is {old[-1]}; rename it back)"
                 if old else "")
         raise FileNotFoundError(f"{option} {text}: does not exist{hint}")
-    problem = _folder_problem(p) if p.is_dir() else checkpoint_file_problem(p)
+    problem = _folder_problem(p) if p.is_dir() else checkpoint_file_problem(p, keys)
     if problem:
         raise ValueError(f"{option} {text}: {problem}")

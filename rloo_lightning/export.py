@@ -16,12 +16,13 @@ import torch
 __all__ = ["read_checkpoint", "checkpoint_hparams", "module_from_checkpoint", "export_checkpoint", "main"]
 
 
-def _check_exists(path: Path, option: str = "checkpoint") -> None:
+def _check_exists(path: Path, option: str = "checkpoint", keys: tuple[str, ...] = ("hyper_parameters",)) -> None:
     """One line naming ``path`` when it does not exist, is truncated or is not a checkpoint (see
-    :func:`rloo_lightning.checkpoint_io.check_checkpoint_path`), before torch reads it."""
+    :func:`rloo_lightning.checkpoint_io.check_checkpoint_path`), before torch reads it. ``keys``: what its pickled
+    structure must name (a module checkpoint, with or without Lightning's version: its hyperparameters)."""
     from rloo_lightning.checkpoint_io import check_checkpoint_path
 
-    check_checkpoint_path(path, option, lightning_values=False)
+    check_checkpoint_path(path, option, lightning_values=False, keys=keys)
     if path.is_dir() and not (path / "meta.pt").is_file():
         raise ValueError(f"{path} is a folder but not a sharded checkpoint (no meta.pt)")
 
@@ -46,7 +47,7 @@ def checkpoint_hparams(path: str | Path) -> tuple[dict, dict]:
 def read_checkpoint(path: str | Path) -> dict:
     """The checkpoint as one dict (``state_dict``, ``hyper_parameters``, ...); a sharded folder is gathered."""
     path = Path(path)
-    _check_exists(path)
+    _check_exists(path, keys=())  # a plain state dict is read too
     if not path.is_dir():
         return torch.load(path, map_location="cpu", weights_only=True)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -68,6 +69,7 @@ def module_from_checkpoint(path: str | Path, model_name_or_path: str | None = No
     """
     from rloo_lightning.module import RLOOModule
 
+    _check_exists(Path(path))  # a module checkpoint: its hyperparameters are needed
     checkpoint = read_checkpoint(path)
     hparams = dict(checkpoint["hyper_parameters"])
     hparams["rewards"] = {**hparams.get("rewards", {}), "funcs": [], "weights": None}
