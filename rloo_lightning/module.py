@@ -590,6 +590,9 @@ class RLOOModule(LightningModule):
             out["accuracy_greedy"] = (greedy.rewards >= v.success_threshold).float()
         return out
 
+    def on_predict_start(self) -> None:
+        stop.set_phase("predict")  # from here PredictionWriter stops after the batch in progress is written
+
     def on_validation_start(self) -> None:
         if self.global_step > 0 and self.trainer.training is False:
             stop.set_phase("validation")  # a SIGTERM now ends the run at the next token: the step is kept
