@@ -65,3 +65,19 @@ def tiny_model_dir_pad_eos(tmp_path_factory):
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """The prompt-cache entries built during the test (their folders), in order."""
+    from rloo_lightning.data.cache import PromptCache
+
+    built = []
+    original = PromptCache.build
+
+    def counting(self, *args, **kwargs):
+        built.append(self.path)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PromptCache, "build", counting)
+    return built

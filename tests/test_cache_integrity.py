@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rloo_lightning.data import PromptCache, PromptDataModule, PromptRows
+from rloo_lightning.data import PromptDataModule, PromptRows
 from rloo_lightning.data.cache import CHECKSUM, PromptCacheError, PromptCacheWarning
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,19 +44,6 @@ def _cache(tok_dir, tmp_path, data, **kw):
     dm._load_tokenizer()
     (cache, sources, hold_out), = dm._caches("fit")
     return cache, sources, hold_out, dm.encoder
-
-
-@pytest.fixture
-def builds(monkeypatch):
-    built = []
-    original = PromptCache.build
-
-    def counting(self, *args, **kwargs):
-        built.append(self.path)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(PromptCache, "build", counting)
-    return built
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from rloo_lightning.data import PromptCache, PromptDataModule, PromptRows, ResumableSampler
+from rloo_lightning.data import PromptDataModule, PromptRows, ResumableSampler
 from rloo_lightning.data.cache import held_out_count
 
 
@@ -31,20 +31,6 @@ def _rows(n):
 def _dm(tok_dir, cache, **kw):
     kw.setdefault("batch_size", 2)
     return PromptDataModule(tokenizer_name_or_path=tok_dir, cache_dir=str(cache), **kw)
-
-
-@pytest.fixture
-def builds(monkeypatch):
-    """The cache entries built during the test (their folders), in order."""
-    built = []
-    original = PromptCache.build
-
-    def counting(self, *args, **kwargs):
-        built.append(self.path)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(PromptCache, "build", counting)
-    return built
 
 
 def _entries(cache):

@@ -21,6 +21,11 @@ def _args(root: Path, model_dir: str, *extra: str) -> list[str]:
             "--data.num_train_rows", "16", "--data.batch_size", "4", *REWARD, *extra]
 
 
+# 4 steps after a validation of 50 batches of 4 prompts before training
+VALIDATE_FIRST = ["--trainer.max_steps", "4", "--data.num_val_rows", "200", "--data.val_batch_size", "4",
+                  "--trainer.limit_val_batches", "50", "--model.validation.at_start", "true"]
+
+
 def _events(log: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
@@ -29,9 +34,7 @@ def test_sigterm_at_validation_batch_1_of_50_before_training_ends_the_run_at_onc
                                                                                  _cache_dir):
     log = tmp_path / "events"
     env = make_env(_cache_dir, STOP_LOG=str(log), STOP_AT_CALL="1")
-    proc = run_cli("fit", _args(tmp_path, tiny_model_dir, "--trainer.max_steps", "4", "--data.num_val_rows", "200",
-                                "--data.val_batch_size", "4", "--trainer.limit_val_batches", "50",
-                                "--model.validation.at_start", "true"), tmp_path, env, check=False)
+    proc = run_cli("fit", _args(tmp_path, tiny_model_dir, *VALIDATE_FIRST), tmp_path, env, check=False)
     assert proc.rc == 143, proc.explain()
     assert _events(log) == ["reward", "reward"]  # validation batches 0 and 1 scored; batch 2 never ran
     assert "stopped by SIGTERM before the first training step of this run: nothing to save" in proc.stderr
@@ -74,9 +77,7 @@ def test_under_ddp_a_sigterm_to_rank_0_during_validation_before_training_ends_ev
                                                                                       _cache_dir):
     log = tmp_path / "events"
     env = make_env(_cache_dir, STOP_LOG=str(log), STOP_AT_CALL="1")
-    proc = run_cli("fit", _args(tmp_path, tiny_model_dir, "--trainer.max_steps", "4", "--data.num_val_rows", "200",
-                                "--data.val_batch_size", "4", "--trainer.limit_val_batches", "50",
-                                "--model.validation.at_start", "true", "--trainer.strategy", "ddp",
+    proc = run_cli("fit", _args(tmp_path, tiny_model_dir, *VALIDATE_FIRST, "--trainer.strategy", "ddp",
                                 "--trainer.devices", "2"), tmp_path, env, check=False, timeout=240)
     assert proc.rc == 143 and not proc.timed_out, proc.explain()  # every rank ended: none waited in a collective
     assert _events(log) == ["reward", "reward"]
