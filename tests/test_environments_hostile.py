@@ -279,7 +279,7 @@ def test_the_context_budget_defaults_to_the_models_context_and_a_huge_reply_is_c
     assert "context" in cut.cut_by and cut.turns.max() == 1
 
 
-# -- 8. checked early ---------------------------------------------------------------------------------------------------
+# -- 8. checked early -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("environment,message", [
     ({"class_path": "no_such_module.Env"}, r"environment.class_path 'no_such_module.Env' cannot be imported"),
     ({"class_path": GUESS, "init_args": {"guesess": 2}}, r"environment.init_args .* do not fit GuessEnvironment"),

@@ -106,8 +106,9 @@ def tool_schema(fn: Callable) -> dict:
     try:
         return get_json_schema(fn)
     except Exception as err:
-        raise EnvironmentConfigError(f"tool {getattr(fn, '__name__', fn)!r}: its schema needs a type hint for every parameter "
-                         f"and a docstring with a description and an Args: section ({err})") from err
+        raise EnvironmentConfigError(f"tool {getattr(fn, '__name__', fn)!r}: its schema needs a type hint for every "
+                                     f"parameter and a docstring with a description and an Args: section ({err})"
+                                     ) from err
 
 
 def tool_schemas(paths: Sequence[str]) -> list[dict]:
