@@ -196,6 +196,16 @@ class EpisodeError(RuntimeError):
         self.call, self.how = call, how
 
 
+def end_failed(episode: Episode, row: int, error: EpisodeError,
+               on_error: Callable[[Episode, int, EpisodeError], None] | None, cause=None) -> None:
+    """End ``episode`` as failed (abandoned after a timeout: never called again); raise ``error`` (from ``cause``,
+    the exception the environment raised) without ``on_error``, else hand it to ``on_error``."""
+    episode.done, episode.failed, episode.abandoned = True, True, error.how == "timed out"
+    if on_error is None:
+        raise error from (cause if isinstance(cause, BaseException) else None)
+    on_error(episode, row, error)
+
+
 def call_error(env: Environment, call: str, status: str, value, wrong: str | None, at: str,
                timeout: float | None) -> EpisodeError | None:
     """The :class:`EpisodeError` of one guarded call (an :meth:`EnvCalls.run` outcome ``(status, value)``, and
@@ -387,13 +397,6 @@ def run_episodes(generate: Callable, tokenizer, prompt_ids: Tensor, prompt_mask:
     eos_set, control = set(eos), control_ids(tokenizer, eos)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
 
-    def fail(i: int, error: EpisodeError, cause) -> None:
-        episodes[i].done, episodes[i].failed = True, True
-        episodes[i].abandoned = error.how == "timed out"
-        if on_error is None:
-            raise error from (cause if isinstance(cause, BaseException) else None)
-        on_error(episodes[i], i, error)
-
     for turn in range(max_turns):
         live = []
         for i, ep in enumerate(episodes):
@@ -443,7 +446,7 @@ def run_episodes(generate: Callable, tokenizer, prompt_ids: Tensor, prompt_mask:
             error = call_error(ep.env, "step", status, step, _check_step(step) if status == "ok" else None,
                                f"on {where[i]}, turn {turn}", calls.timeout)
             if error is not None:
-                fail(i, error, step)
+                end_failed(ep, i, error, on_error, step)
                 continue
             ep.env_reward += float(step.reward)
             if not policy_turn.ended:
@@ -595,10 +598,7 @@ class EpisodeSampler:
                 if error is None:
                     out[i] = value
                     continue
-                ep.done, ep.failed, ep.abandoned = True, True, error.how == "timed out"
-                if on_error is None:
-                    raise error from (value if status == "error" else None)
-                on_error(ep, i, error)
+                end_failed(ep, i, error, on_error, value)
             return out
 
         def row_of(i: int) -> dict:
