@@ -150,13 +150,13 @@ class DecodeLoopEngine(GenerationEngine):
         done = torch.zeros(B, dtype=torch.bool, device=device)  # of the live rows
         steps = 0
         for t in range(T):
-            stop.check("generation")  # a SIGTERM during validation (or before the first step) ends here
             tokens, logp = sample_from_logits(logits, config.temperature or 1.0, generator, greedy)
             tokens, logp = tokens.masked_fill(done, pad), logp.masked_fill(done, 0.0)  # (compact=False) after EOS
             tokens_out[rows, t], logp_out[rows, t] = tokens, logp
             steps = t + 1
             done = done | torch.isin(tokens, eos)
-            if t == T - 1 or bool(done.all()):
+            # A SIGTERM: one process stops here (stop.py); several ranks keep the tokens so far and stop together
+            if t == T - 1 or bool(done.all()) or stop.check("generation"):
                 break
             if self.compact and bool(done.any()):
                 keep = (~done).nonzero().squeeze(1)

@@ -21,8 +21,9 @@ from typing import Literal
 
 import torch
 from torch import Tensor
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
+from rloo_lightning import stop
 from rloo_lightning.logprobs import _base_model, cache_keyword, prefill_groups
 
 __all__ = ["GenerationEngine", "HFGenerateEngine", "ReducedPrecisionEngine", "cpu_supports_bf16", "generates_synced",
@@ -118,6 +119,7 @@ class HFGenerateEngine(GenerationEngine):
                 out = model.generate(
                     input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config,
                     tokenizer=tokenizer if generation_config.stop_strings else None, **prefilled,
+                    stopping_criteria=StoppingCriteriaList([_StopRequested()]),
                 )
         finally:
             model.train(was_training)
@@ -128,6 +130,14 @@ class HFGenerateEngine(GenerationEngine):
         # scores: one [B, V] tensor per generated position, the processed logits that were sampled from.
         scores = torch.stack(out.scores, dim=1).float()
         return ids, torch.log_softmax(scores, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
+
+
+class _StopRequested(StoppingCriteria):
+    """A SIGTERM (:func:`rloo_lightning.stop.check`): one process stops at this token; with several ranks every
+    row of this rank ends here (under ``synced_gpus`` it keeps serving the others' forwards until they end too)."""
+
+    def __call__(self, input_ids: Tensor, scores, **kwargs) -> Tensor:
+        return torch.full((input_ids.shape[0],), stop.check("generation"), dtype=torch.bool, device=input_ids.device)
 
 
 def generates_synced(model) -> bool:

@@ -14,7 +14,7 @@ from rloo_lightning import sharding
 from rloo_lightning import stop
 from rloo_lightning.advantages import AdvantageEstimator
 from rloo_lightning.callbacks.base import RolloutHook, ValidateAtStart
-from rloo_lightning.callbacks.checkpoint import FinalCheckpoint
+from rloo_lightning.callbacks.checkpoint import FinalCheckpoint, start_next_epoch
 from rloo_lightning.callbacks.predict import PredictionWriter, prediction_rows
 from rloo_lightning.config import (
     AdvantageArgs, CorrectionArgs, DynamicSamplingArgs, EnvironmentArgs, KLArgs, PolicyArgs, PredictArgs, RewardArgs,
@@ -251,6 +251,7 @@ class RLOOModule(LightningModule):
         if rollout is None:
             # 1. Rollout: k samples per prompt from pi_theta itself (explicit sampler, seeded by step).
             rollout = self.sample(batch, c.sampling.k, self.sampling_seed("train", self.global_step))
+            stop.end_step(self._trainer, "after generation")  # a SIGTERM during it: every rank stops here together
             # 2. Rewards: weighted sum of the reward functions (NaN = missing), then the optional shaping.
             self.score(rollout)
             if c.dynamic_sampling.enabled:  # DAPO: more prompts until every group's rewards differ
@@ -449,6 +450,7 @@ class RLOOModule(LightningModule):
                                                                     "dynamic", step, round_))
             extra = {key: v.to(self.device) if isinstance(v, Tensor) else v for key, v in extra.items()}
             candidate = self.sample(extra, self.cfg.sampling.k, self.sampling_seed(f"dynamic{round_}", step))
+            stop.end_step(self._trainer, "after generation")
             self.score(candidate)
             return candidate
 
@@ -507,9 +509,15 @@ class RLOOModule(LightningModule):
             mix_into_reference(self.reference.parameters(), policy, kl.ref_sync_alpha)
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
-        if (batch_idx + 1) % accumulate == 0:  # an optimizer step happened: an engine with its own copy resyncs
+        trainer = self._trainer
+        stepped = trainer is None or (batch_idx + 1) % trainer.accumulate_grad_batches == 0 \
+            or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if stepped:  # an optimizer step happened: an engine with its own copy resyncs
             self.engine.on_weights_updated(self.policy)
+        # Lightning stops at this batch's end on a SIGTERM: decided by every rank together; between two
+        # micro-batches of one optimizer step the state to keep is the last step's (FinalCheckpoint rewinds).
+        if stop.agree(self._trainer) and not stepped:
+            stop.abort_step()
         if self.global_step > 0:
             stop.set_phase("boundary")
 
@@ -539,6 +547,7 @@ class RLOOModule(LightningModule):
                 checkpoint["rloo_rollout"] = stored  # between two updates on one rollout: the resumed run goes on
             if self.cfg.kl.ref_sync_steps and self._ref is not None:
                 checkpoint["rloo_reference"] = self._ref.model.state_dict()  # it moves: keep it
+        start_next_epoch(checkpoint.get("loops"))  # after an epoch's end: resumed, the next epoch starts afresh
         for key in self._frozen_base_keys():  # LoRA: the base is the model on disk; the checkpoint holds the adapter
             checkpoint["state_dict"].pop(key, None)
 
@@ -600,6 +609,10 @@ class RLOOModule(LightningModule):
     def on_validation_end(self) -> None:
         if self.global_step > 0:
             stop.set_phase("boundary")
+
+    def on_validation_batch_start(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self.global_step > 0:
+            stop.between_batches(self._trainer, "validation")  # every rank together (stop.py)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._log_evaluation(batch, batch_idx, "val", self.val_metrics)

@@ -409,12 +409,13 @@ def run_episodes(generate: Callable, tokenizer, prompt_ids: Tensor, prompt_mask:
                     ep.messages.pop()
                 continue
             live.append(i)
+        if stop.check("an episode's turn"):  # several ranks: no more turns, they stop together after the rollout
+            live = []
         if keep_going is not None:
             if not keep_going(bool(live)):
                 break
         elif not live:
             break
-        stop.check("an episode's turn")
         contexts = [prompts[i] + [t for ids, _ in episodes[i].segments for t in ids] for i in live] or [prompts[0]]
         width = max(map(len, contexts))
         ids = torch.full((len(contexts), width), pad, dtype=torch.long, device=prompt_ids.device)

@@ -1,37 +1,48 @@
 """SIGTERM at any point: a preempted job ends promptly, and keeps what it can keep.
 
 Lightning acts on SIGTERM at the end of a training step or of a validation batch, and only once its trainer runs;
-before that (building the prompt cache, loading the model) the signal's default action kills the process at once,
-leaving the other ranks waiting in a collective. A step's generation, or one validation batch of many prompts,
-can take minutes. This module's handler, installed by the CLI before anything else:
+before that (building the prompt cache, loading the model) the signal's default action kills the process at once.
+A step's generation, or one validation batch of many prompts, can take minutes. This module's handler, installed
+by the CLI before anything else (and by :func:`attach` for a trainer made outside it):
 
 * before the first optimizer step (cache building, model loading, the validation before training, the first step)
   there is nothing to save: it raises :class:`~lightning.pytorch.utilities.exceptions.SIGTERMException` at once
   (the CLI exits with 143 and says so in one line);
 * after it, it sets a flag that the long loops read between their units of work (each generated token, each
-  validation batch, each turn of an episode): :func:`check` raises there during validation, where
-  ``FinalCheckpoint`` writes ``last.ckpt`` of the step just finished; and inside a training step's generation
-  (one process), where ``FinalCheckpoint`` writes the state of the step before, as a stop at that step's end
-  would have (it keeps a snapshot of what a step changes before its optimizer step: the loops' counters, the
-  callbacks' and the module's own state). With several ranks a step runs to its end, where Lightning's stop,
-  agreed by every rank, writes ``last.ckpt`` of that step;
-* it forwards the signal to the ranks this process launched, before Lightning's handler (which does the same)
-  is installed.
+  turn of an episode, each validation batch) through :func:`check`. With one process, ``check`` raises there:
+  during validation ``FinalCheckpoint`` then writes ``last.ckpt`` of the step just finished; inside a training
+  step, the state of the step before, as a stop at that step's end would have (it keeps a snapshot of what a step
+  changes before its optimizer step: the loops' counters, the callbacks' and the module's own state);
+* with several ranks no rank may stop alone (the others would wait for it in their next collective). ``check``
+  then only tells the rank to cut its work short (the decode loop returns the tokens so far, episodes take no
+  more turns) and the ranks decide together, with one small collective, at points every rank reaches in the same
+  order (:func:`agree`): after a step's generation (before its first collective), at each training batch's end
+  and at each validation batch's start. A rank that was not signalled learns of the signal from the process
+  group's store within :data:`POLL_SECONDS` while it generates, or at the next of those points;
+* it forwards the signal to the ranks this process launched. Lightning's own SIGTERM handler is replaced by this
+  one for the trainer's run (it broadcasts a tensor from inside the handler, which pairs with whatever
+  collective the other ranks are in at that moment).
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
+import time
 
+import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-__all__ = ["aborted_step", "attach", "check", "install", "phase", "requested", "set_phase"]
+__all__ = ["abort_step", "aborted_step", "agree", "attach", "between_batches", "check", "end_step", "install", "phase",
+           "requested", "set_phase"]
 
-_state = {"requested": False, "phase": "setup", "installed": False, "trainer": None}
+POLL_SECONDS = 1.0  # how often a generating rank asks the process group's store whether another rank was signalled
+_KEY = "rloo_lightning/sigterm"
+
+_state = {"requested": False, "phase": "setup", "installed": False, "trainer": None, "aborted_step": False,
+          "runs": 0, "polled": 0.0}
 # phase: "setup" (nothing trained yet), "train" (inside a training step), "boundary" (between steps),
-# "validation" (a validation loop after the first step), "saving" (a checkpoint is being written)
+# "validation" (a validation loop after the first step), "saving" (a checkpoint is being written), "predict"
 
 
 def install(trainer=None) -> None:
@@ -45,8 +56,13 @@ def install(trainer=None) -> None:
 
 
 def attach(trainer) -> None:
-    """The trainer of this run (its launcher's ranks get the signal); the run starts in the ``setup`` phase."""
-    _state["trainer"], _state["phase"], _state["aborted_step"] = trainer, "setup", False
+    """The trainer of this run; the run starts in the ``setup`` phase. Lightning's SIGTERM notifier, which
+    registers when the trainer's run starts, is replaced by :func:`_handler` (see the module docstring)."""
+    _state.update(trainer=trainer, phase="setup", aborted_step=False, polled=0.0)
+    _state["runs"] += 1  # the store key of this run: a signal of an earlier run in this process group is not seen
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is not None:
+        connector._sigterm_notifier_fn = _lightning_notifier
 
 
 def phase() -> str:
@@ -54,7 +70,7 @@ def phase() -> str:
 
 
 def set_phase(phase: str) -> None:
-    """Where the run is: ``setup``, ``train``, ``boundary``, ``validation`` or ``saving``."""
+    """Where the run is: ``setup``, ``train``, ``boundary``, ``validation``, ``saving`` or ``predict``."""
     _state["phase"] = phase
 
 
@@ -62,49 +78,133 @@ def requested() -> bool:
     return _state["requested"]
 
 
-def check(where: str = "") -> None:
-    """Raise ``SIGTERMException`` if a SIGTERM arrived and the run may stop here; a no-op otherwise.
+def check(where: str = "") -> bool:
+    """Between two units of work: raise ``SIGTERMException`` where this process may stop at once; return True where
+    it should cut the work in hand short (several ranks, inside a training step or a validation: they stop
+    together at the next :func:`agree`); False otherwise (no signal, or a phase that stops at its own end).
 
-    It may before the first step, in a validation loop, and, in a one-process run, inside a training step's
-    generation: ``FinalCheckpoint`` then writes the state of the step before (:func:`aborted_step`)."""
-    if not _state["requested"]:
-        return
+    With one process it raises before the first step, in a validation loop, and inside a training step:
+    ``FinalCheckpoint`` then writes the state of the step before (:func:`aborted_step`)."""
+    if not _state["requested"] and not _peer_signalled():
+        return False
     phase = _state["phase"]
-    if phase == "train" and getattr(_state["trainer"], "world_size", 1) == 1:
+    if _world_size() > 1:
+        if phase == "setup":
+            raise SIGTERMException(where)
+        return phase in ("train", "validation")
+    if phase == "train":
         _state["aborted_step"] = True
         raise SIGTERMException(where)
     if phase in ("setup", "validation"):
         raise SIGTERMException(where)
+    return False
+
+
+def agree(trainer) -> bool:
+    """Whether any rank has a SIGTERM, decided by every rank together (a collective with several ranks: call it
+    only where every rank calls it in the same order). A yes is also Lightning's flag, so that its own stops at a
+    batch's end happen on every rank or none."""
+    if trainer is None:
+        return _state["requested"]
+    if getattr(trainer, "world_size", 1) > 1:
+        flag = trainer.strategy.reduce_boolean_decision(_state["requested"], all=False)
+        if flag:
+            _state["requested"] = True
+    if _state["requested"] and getattr(trainer, "_signal_connector", None) is not None:
+        trainer._signal_connector.received_sigterm = True
+    return _state["requested"]
+
+
+def end_step(trainer, where: str) -> None:
+    """After a step's generation, before anything of it is kept: every rank stops here if any was signalled, and
+    the checkpoint written is the step before's (:func:`aborted_step`)."""
+    if trainer is not None and agree(trainer):
+        _state["aborted_step"] = _state["phase"] == "train"
+        raise SIGTERMException(where)
+
+
+def between_batches(trainer, where: str) -> None:
+    """At a validation batch's start (every rank reaches it in the same order): stop there if any rank was
+    signalled."""
+    if agree(trainer):
+        raise SIGTERMException(where)
+
+
+def abort_step() -> None:
+    """The step in progress is abandoned (a stop between two micro-batches of one optimizer step)."""
+    _state["aborted_step"] = True
 
 
 def aborted_step() -> bool:
-    """A training step was abandoned mid-way by :func:`check` (its state is not the one to save)."""
+    """A training step was abandoned mid-way (its state is not the one to save)."""
     return _state.get("aborted_step", False)
+
+
+def _world_size() -> int:
+    return getattr(_state["trainer"], "world_size", 1) or 1
+
+
+def _store():
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    try:
+        return torch.distributed.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError, ValueError):
+        return None
+
+
+def _peer_signalled() -> bool:
+    """Several ranks: whether another rank was signalled (asks the store at most every ``POLL_SECONDS``)."""
+    if _world_size() == 1:
+        return False
+    now = time.monotonic()
+    if now - _state["polled"] < POLL_SECONDS:
+        return False
+    _state["polled"] = now
+    store = _store()
+    try:
+        seen = store is not None and store.check([f"{_KEY}/{_state['runs']}"])
+    except (RuntimeError, ValueError):
+        return False
+    if seen:
+        _state["requested"] = True
+    return seen
 
 
 def _handler(signum, frame) -> None:
     first = not _state["requested"]
     _state["requested"] = True
+    trainer = _state["trainer"]
     if first:
         _forward(signum)
+        if _world_size() > 1 and (store := _store()) is not None:
+            try:
+                store.set(f"{_KEY}/{_state['runs']}", "1")  # the ranks that were not signalled learn of it
+            except (RuntimeError, ValueError):
+                pass
+    if _world_size() == 1 and getattr(trainer, "_signal_connector", None) is not None:
+        trainer._signal_connector.received_sigterm = True  # one process: Lightning's stops apply as they are
     if _state["phase"] == "setup":
         raise SIGTERMException("before the first step")
 
 
+def _lightning_notifier(signum, frame) -> None:
+    """In place of Lightning's notifier: this module's handler, unless the CLI already installed it (it then runs
+    right after this in Lightning's handler chain)."""
+    if not _state["installed"]:
+        _handler(signum, frame)
+
+
 def _forward(signum) -> None:
-    """Pass the signal to the ranks this process launched, unless Lightning's handler already did."""
-    trainer = _state["trainer"]
-    if trainer is None or getattr(trainer, "received_sigterm", False):
-        return
-    launcher = getattr(getattr(trainer, "strategy", None), "launcher", None)
-    for proc in getattr(launcher, "procs", None) or []:
+    """Pass the signal to the ranks this process launched."""
+    launcher = getattr(getattr(_state["trainer"], "strategy", None), "launcher", None)
+    if launcher is not None and hasattr(launcher, "kill"):
         try:
-            if proc.poll() is None:
-                os.kill(proc.pid, signum)
+            launcher.kill(signum)
         except (OSError, AttributeError):
             pass
 
 
 def reset() -> None:
     """Forget a signal (tests, and a new run in the same process)."""
-    _state.update(requested=False, phase="setup", trainer=None)
+    _state.update(requested=False, phase="setup", trainer=None, aborted_step=False, polled=0.0)

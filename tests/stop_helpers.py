@@ -57,14 +57,15 @@ class SignalAt(Callback):
 
 class SignallingEngine(DecodeLoopEngine):
     """The default engine, that sends its own process SIGTERM as its ``at_call``-th call (from 0) starts: the
-    signal lands inside that training step's generation (validation off: one call per step)."""
+    signal lands inside that training step's generation (validation off: one call per step). With several ranks,
+    only rank ``rank`` signals itself (rank 0 passes the signal to the ranks it launched; another rank does not)."""
 
-    def __init__(self, at_call: int = -1) -> None:
+    def __init__(self, at_call: int = -1, rank: int = 0) -> None:
         super().__init__()
-        self.at_call, self.calls = at_call, 0
+        self.at_call, self.rank, self.calls = at_call, rank, 0
 
     def generate(self, *args, **kwargs):
-        if self.calls == self.at_call:
+        if self.calls == self.at_call and int(os.environ.get("LOCAL_RANK", "0")) == self.rank:
             _record(f"signal at generate call {self.at_call}")
             os.kill(os.getpid(), signal.SIGTERM)
         self.calls += 1

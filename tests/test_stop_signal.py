@@ -112,39 +112,45 @@ def _assert_same(got: Path, ref: Path) -> None:
 ENGINE_AT = ["--model.generation_engine", "stop_helpers.SignallingEngine", "--model.generation_engine.at_call"]
 
 
-# accumulation: 24 prompts (6 batches an epoch), so that step 2 ends mid-epoch
-@pytest.mark.parametrize("extra", [[], ["--trainer.accumulate_grad_batches", "2", "--data.num_train_rows", "24"],
-                                   ["--model.update.updates_per_rollout", "2"]],
-                         ids=["plain", "accumulate-2", "updates-per-rollout-2"])
-def test_sigterm_inside_step_3s_generation_keeps_step_2_as_a_stop_there_would_and_resumes_exactly(
-        tmp_path, tiny_model_dir, _cache_dir, extra):
-    """Run b stops at step 2's end (Lightning's stop); run c gets the signal inside step 3's generation; their
-    last.ckpt are the same, and c resumed to step 5 ends where an uninterrupted run a does."""
+# (extra options, the step b stops at, c's generate call inside the next step, d's batch between that step's two
+# micro-batches). Accumulation: 24 prompts (6 batches, 3 steps an epoch): b stops at the end of epoch 0, c inside
+# step 4's second micro-batch's generation (generate call 7: one per micro-batch), d after step 4's first micro-batch
+# (batch 6, the first of epoch 1). updates_per_rollout 2: steps 1 and 3 sample, 2 and 4 reuse (call 1 is step 3's).
+CASES = {"plain": ([], 2, 2, None),
+         "accumulate-2": (["--trainer.accumulate_grad_batches", "2", "--data.num_train_rows", "24"], 3, 7, 6),
+         "updates-per-rollout-2": (["--model.update.updates_per_rollout", "2"], 2, 1, None)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sigterm_inside_a_steps_generation_keeps_the_step_before_as_a_stop_there_would_and_resumes_exactly(
+        tmp_path, tiny_model_dir, _cache_dir, case):
+    """Run b stops at step s's end (Lightning's stop); run c gets the signal inside step s+1's generation, run d
+    between its micro-batches; their last.ckpt are the same, and c resumed to step 6 ends where an uninterrupted
+    run a does (and where b resumed does)."""
     from cli_harness import start_cli, wait_all  # noqa: I001
 
     env = make_env(_cache_dir, STOP_LOG=str(tmp_path / "events"))
+    extra, step, call, batch = CASES[case]
     common = ["--trainer.limit_val_batches", "0", "--model.validation.at_start", "false", "--data.num_val_rows", "8",
-              "--model.rewards.funcs", "[rloo_lightning.tasks.reverse.reward]", *extra]
-    # the generate call inside step 3: one per micro-batch (accumulation: its second micro-batch, after the first
-    # one's backward), none on a reused rollout's second update (steps 1 and 3 sample, 2 and 4 reuse)
-    call = 5 if "--trainer.accumulate_grad_batches" in extra else 1 if extra else 2
-    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    procs = [start_cli("a", _args(a, tiny_model_dir, "--trainer.max_steps", "6", *common), a, env),
-             start_cli("b", _args(b, tiny_model_dir, "--trainer.max_steps", "6", *common,
-                                  "--trainer.callbacks+=reliability_helpers.callbacks.SigtermAt",
-                                  "--trainer.callbacks.step=2"), b, env),
-             start_cli("c", _args(c, tiny_model_dir, "--trainer.max_steps", "6", *common, *ENGINE_AT, str(call)),
-                       c, env)]
+              "--model.rewards.funcs", "[rloo_lightning.tasks.reverse.reward]", "--trainer.max_steps", "6", *extra]
+    a, b, c, d = tmp_path / "a", tmp_path / "b", tmp_path / "c", tmp_path / "d"
+    sigterm_at = ["--trainer.callbacks+=reliability_helpers.callbacks.SigtermAt"]
+    procs = [start_cli("a", _args(a, tiny_model_dir, *common), a, env),
+             start_cli("b", _args(b, tiny_model_dir, *common, *sigterm_at, f"--trainer.callbacks.step={step}"), b, env),
+             start_cli("c", _args(c, tiny_model_dir, *common, *ENGINE_AT, str(call)), c, env)]
+    if batch is not None:
+        between = f"--trainer.callbacks.batch={batch}"
+        procs.append(start_cli("d", _args(d, tiny_model_dir, *common, *sigterm_at, between), d, env))
     wait_all(*procs)
     procs[0].check()
-    assert procs[1].rc == procs[2].rc == 143, procs[1].explain() + procs[2].explain()
-    last_b, last_c = (p / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt" for p in (b, c))
-    assert torch.load(last_c, map_location="cpu", weights_only=False)["global_step"] == 2
+    assert all(p.rc == 143 for p in procs[1:]), "".join(p.explain() for p in procs[1:])
+    last_b, last_c, last_d = (p / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt" for p in (b, c, d))
+    assert torch.load(last_c, map_location="cpu", weights_only=False)["global_step"] == step
     _assert_same(last_c, last_b)
-    wait_all(start_cli("b2", _args(b, tiny_model_dir, "--trainer.max_steps", "6", *common, "--ckpt_path", last_b), b,
-                       env),
-             start_cli("c2", _args(c, tiny_model_dir, "--trainer.max_steps", "6", *common, "--ckpt_path", last_c), c,
-                       env))
+    if batch is not None:
+        _assert_same(last_d, last_b)
+    wait_all(start_cli("b2", _args(b, tiny_model_dir, *common, "--ckpt_path", last_b), b, env),
+             start_cli("c2", _args(c, tiny_model_dir, *common, "--ckpt_path", last_c), c, env))
     end_b, end_c = (p / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt" for p in (b, c))
     _assert_same(end_c, end_b)  # resumed, the two stops end alike
     # ... where the uninterrupted run ends: the same weights, optimizer state and schedules

@@ -55,7 +55,7 @@ class ValidateAtStart(Callback):
             for batch_idx, batch in enumerate(loader):
                 if batch_idx >= num_batches:
                     break
-                stop.check("validation")
+                stop.between_batches(trainer, "validation")
                 batch = pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
                 for name, values in pl_module.evaluate_batch(batch, batch_idx).items():
                     means.setdefault(name, MeanMetric(nan_strategy="ignore").to(pl_module.device)).update(values)

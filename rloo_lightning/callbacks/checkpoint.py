@@ -109,7 +109,7 @@ class FinalCheckpoint(Callback):
     def _keep_boundary(self, trainer: Trainer, pl_module: LightningModule, where: str) -> None:
         """The state a stop at this step's end saves, for a SIGTERM inside the next step (stop.py): what a step
         changes before its optimizer step (the weights, optimizer and schedulers change only there)."""
-        if trainer.world_size == 1 and trainer.global_step > 0 and self._enabled(trainer):
+        if trainer.global_step > 0 and self._enabled(trainer):
             self._boundary = _boundary_state(trainer, pl_module, where)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -140,8 +140,8 @@ class FinalCheckpoint(Callback):
             self._save(trainer)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        # Preempted: Lightning raises SIGTERMException at the end of a step, on every rank together (rank 0's
-        # flag is broadcast), so the steps since the last checkpoint are kept as a resumable last.ckpt.
+        # Preempted: SIGTERMException on every rank together (stop.py decides where), so the steps since the last
+        # checkpoint are kept as a resumable last.ckpt.
         if not isinstance(exception, SIGTERMException) or not self._enabled(trainer) or trainer.global_step == 0:
             return
         if stop.aborted_step():  # stopped inside a step: its start's state, as a stop at the step before writes
@@ -230,6 +230,27 @@ class FinalCheckpoint(Callback):
         if collective:
             trainer.strategy.barrier("FinalCheckpoint.refresh")
         self._saved_step = trainer.global_step
+
+
+def start_next_epoch(loops: dict | None) -> None:
+    """Written after an epoch ended (a stop at its last step, the state kept for it): the epoch loop's counters as
+    the next epoch starts them (Lightning resets them then, not at the epoch's end).
+
+    Otherwise a run resumed from it continues the finished epoch: its ``is_last_batch`` and per-epoch batch count
+    make the next epoch's first micro-batch an optimizer step of its own under gradient accumulation (measured:
+    the resumed run then leaves the uninterrupted one). In place; a no-op for any other checkpoint."""
+    fit = (loops or {}).get("fit_loop")
+    if not fit or "epoch_progress" not in fit or "epoch_loop.batch_progress" not in fit:
+        return
+    epoch, batches = fit["epoch_progress"]["current"], fit["epoch_loop.batch_progress"]
+    if not (batches.get("is_last_batch") and epoch["completed"] == epoch["ready"] > 0):
+        return
+    batches["is_last_batch"] = False
+    optimizer = fit.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {})
+    for progress in (batches, fit.get("epoch_loop.scheduler_progress", {}), optimizer.get("step", {}),
+                     optimizer.get("zero_grad", {})):
+        if "current" in progress:
+            progress["current"] = {key: 0 for key in progress["current"]}
 
 
 def _boundary_state(trainer: Trainer, pl_module: LightningModule, where: str) -> dict:

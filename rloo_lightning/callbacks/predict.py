@@ -11,6 +11,8 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from rloo_lightning import stop
+
 __all__ = ["PredictionWriter", "prediction_rows"]
 
 
@@ -84,10 +86,7 @@ class PredictionWriter(BasePredictionWriter):
         self._written += len(prediction)
         # Lightning's predict loop never looks at SIGTERM (fit and validation stop at the next batch): stop here,
         # after this batch is on disk; every rank together, so that no rank waits in a collective for another.
-        stop = trainer.received_sigterm
-        if trainer.world_size > 1:
-            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
-        if stop:
+        if stop.agree(trainer):
             self._handle.close()
             self._handle = None
             rank_zero_info(f"predict stopped by SIGTERM after batch {batch_idx}: {self._written} completions are in "

@@ -84,13 +84,14 @@ class RolloutRecorder(RolloutHook):
 
 class SigtermAt(Callback):
     """Send this process SIGTERM (as a scheduler preempting the job) at the end of training step ``step`` (its
-    ``global_step`` after the update) or of predict batch ``predict_batch``."""
+    ``global_step`` after the update), of training batch ``batch`` (counted from 0 across epochs: with gradient
+    accumulation, between two micro-batches of one step) or of predict batch ``predict_batch``."""
 
-    def __init__(self, step: int = -1, predict_batch: int = -1) -> None:
-        self.step, self.predict_batch = step, predict_batch
+    def __init__(self, step: int = -1, predict_batch: int = -1, batch: int = -1) -> None:
+        self.step, self.predict_batch, self.batch = step, predict_batch, batch
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
+        if trainer.global_step == self.step or trainer.fit_loop.epoch_loop.total_batch_idx == self.batch:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
