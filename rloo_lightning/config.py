@@ -91,6 +91,9 @@ class RewardArgs:
         on_error: what a reward exception or timeout scores: ``raise``, ``none`` (a missing reward, left
             out of the baseline) or a number; a warning names the function and the prompt.
         chunk_size: completions per worker call (default: the batch split over the workers).
+        stop_after_missing_steps: stop the run with an error naming the source after this many training steps
+            in a row without a single reward (``train/reward_missing`` = 1: every value None, failed or timed out
+            under ``on_error: none``, or every episode failed); 0 = train on regardless.
     """
 
     prefix: ClassVar[str] = "rewards"
@@ -100,8 +103,12 @@ class RewardArgs:
     workers: int = 0
     on_error: str | float = "raise"
     chunk_size: int | None = None
+    stop_after_missing_steps: int = 10
 
     def __post_init__(self) -> None:
+        if self.stop_after_missing_steps < 0:
+            raise ValueError(f"rewards.stop_after_missing_steps must be >= 0 (0 = never stop), got "
+                             f"{self.stop_after_missing_steps}")
         _set(self, "funcs", list(self.funcs))
         if self.weights is not None:
             _set(self, "weights", [float(w) for w in self.weights])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping
 
 import torch
@@ -12,13 +13,16 @@ from torch import Tensor
 from rloo_lightning.advantages import group_std
 from rloo_lightning.logprobs import masked_sum
 from rloo_lightning.multiturn import CUT_KINDS
+from rloo_lightning.rewards.protocol import RewardError
 
 __all__ = [
     "train_metric_sums",
     "log_step_metrics",
     "write_to_loggers",
     "pass_at_k",
+    "MissingRewardWatch",
     "NoSignalWatch",
+    "step_means",
 ]
 
 
@@ -121,7 +125,8 @@ def train_metric_sums(rollout, entropy: Tensor, loss: Tensor) -> dict[str, tuple
     num_groups = torch.tensor(stds.shape[0])
     rows = torch.ones_like(rewards).sum()
     sums = {
-        "train/reward": (torch.nan_to_num(rewards).sum(), valid.sum()),
+        "train/reward": (torch.nan_to_num(rewards).sum(), valid.sum()),  # NaN when no reward is present
+        "train/reward_missing": ((~valid).sum(), rows),
         "train/reward_std": (stds.sum(), num_groups),
         "train/zero_std_groups": ((stds == 0).sum(), num_groups),
         "train/advantage_abs": (rollout.advantages.abs().sum(), rows),
@@ -160,6 +165,41 @@ def train_metric_sums(rollout, entropy: Tensor, loss: Tensor) -> dict[str, tuple
         ok = ~torch.isnan(values)
         sums[f"train/score/{name}"] = (torch.nan_to_num(values).sum(), ok.sum())
     return sums
+
+
+def step_means(sums: Tensor) -> list[float]:
+    """``[M, 2]`` (sum, count) pairs -> M means; NaN where the count is 0 (nothing to average: a step whose every
+    reward is missing logs ``train/reward`` NaN, not 0)."""
+    return torch.where(sums[:, 1] > 0, sums[:, 0] / sums[:, 1].clamp(min=1), torch.nan).tolist()
+
+
+class MissingRewardWatch:
+    """Stops the run when ``patience`` training steps in a row had no reward at all (``train/reward_missing`` = 1):
+    every reward call failed or timed out under ``rewards.on_error: none``, returned None, or every episode failed.
+    Such a run learns nothing, yet would end with status 0. ``patience`` 0: never stop."""
+
+    def __init__(self, patience: int = 10) -> None:
+        self.patience, self.streak = patience, 0
+
+    def update(self, metrics: dict[str, float], step: int) -> None:
+        """``metrics``: the step's global means (``train/reward_missing``, ``train/score/<name>``)."""
+        self.streak = self.streak + 1 if metrics["train/reward_missing"] >= 1.0 else 0
+        if not self.patience or self.streak < self.patience:
+            return
+        scores = {k[len("train/score/"):]: v for k, v in metrics.items() if k.startswith("train/score/")}
+        silent = [name for name, v in scores.items() if math.isnan(v)]
+        if silent == ["environment"]:
+            source = "the environment gave no reward (every episode failed, or its final_reward returned None)"
+        elif silent:
+            source = "no value from " + ", ".join(
+                "the environment" if n == "environment" else f"reward function {n!r}" for n in silent) + \
+                " (None, or an error or timeout scored None by rewards.on_error)"
+        else:
+            source = "every completion missed at least one of " + ", ".join(repr(n) for n in scores) + \
+                "'s rewards (a None from any function makes the weighted sum missing)"
+        raise RewardError(f"no reward in any of the last {self.streak} training steps (up to step {step}): "
+                           f"{source}. The warnings above name the prompts and errors. Nothing is learnt from such "
+                           "a step; set rewards.stop_after_missing_steps 0 to train on regardless")
 
 
 class NoSignalWatch:

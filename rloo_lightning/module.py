@@ -28,7 +28,15 @@ from rloo_lightning.engines import GenerationEngine
 from rloo_lightning.kl import fold_kl, mix_into_reference, reward_to_go, token_rewards_after_baseline
 from rloo_lightning.logprobs import sequence_logprobs, worth_sharing
 from rloo_lightning.losses import PolicyLoss
-from rloo_lightning.metrics import NoSignalWatch, log_step_metrics, pass_at_k, train_metric_sums, write_to_loggers
+from rloo_lightning.metrics import (
+    MissingRewardWatch,
+    NoSignalWatch,
+    log_step_metrics,
+    pass_at_k,
+    step_means,
+    train_metric_sums,
+    write_to_loggers,
+)
 from rloo_lightning.multiturn import EpisodeSampler
 from rloo_lightning.policy import Frozen, disable_dropout, export_pretrained, load_models, lora_config, prepare_policy
 from rloo_lightning.rewards import RewardSet
@@ -145,6 +153,7 @@ class RLOOModule(LightningModule):
         self.guard = NonFiniteGuard(c.update.on_nonfinite)
         self._last_stats: dict[str, float] = {}
         self.no_signal = NoSignalWatch()
+        self.missing_rewards = MissingRewardWatch(c.rewards.stop_after_missing_steps)
         # The KL coefficient in use; a buffer so that an adaptive controller's value is checkpointed.
         self.register_buffer("beta", torch.tensor(float(c.kl.beta)))
         names = ["reward"] + (["reward_greedy", "accuracy_greedy"] if c.validation.greedy else [])
@@ -571,9 +580,10 @@ class RLOOModule(LightningModule):
         stacked = torch.stack([torch.stack([s.float().to(self.device), n.float().to(self.device)])
                                for s, n in sums.values()])
         stacked = self.reduce_across_ranks(stacked, "sum")
-        metrics = dict(zip(sums, (stacked[:, 0] / stacked[:, 1].clamp(min=1)).tolist()))
+        metrics = dict(zip(sums, step_means(stacked)))
         log_step_metrics(self._trainer, metrics, self.global_step, prog_bar=("train/reward", "train/kl"))
         self.no_signal.update(metrics["train/zero_std_groups"], self.global_step)
+        self.missing_rewards.update(metrics, self.global_step)  # every rank: the means are global
         if self.timer.enabled:
             # to the loggers only, not to callback_metrics: seconds per phase are for reading, not monitoring
             write_to_loggers(self._trainer, {f"time/{phase}": t for phase, t in self.timer.totals.items()},

@@ -118,3 +118,12 @@ def coarse_length(prompts, completions, completion_ids, **columns):
 def constant(prompts, completions, completion_ids, **columns):
     """The same reward for everything: no group is ever informative."""
     return [0.5 for _ in completions]
+
+
+def numeric_text(prompts, completions, completion_ids, **columns):
+    return ["0.5" for _ in completions]
+
+
+def always_none(prompts, completions, completion_ids, **columns):
+    return [None for _ in completions]
+

@@ -9,6 +9,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,6 +26,7 @@ from rloo_lightning.rewards import (  # noqa: E402
     RewardTimeoutError,
     RewardWarning,
     resolve_reward,
+    to_floats,
 )
 from rloo_lightning.rewards.builtin import ExactAnswer, LengthPenalty, RegexMatch, parse_number  # noqa: E402
 from rloo_lightning.rewards.model import RewardModel  # noqa: E402
@@ -144,7 +146,8 @@ def test_missing_column_fails_before_any_function_runs():
     [
         ("reward_helpers.wrong_count", r"'wrong_count' returned 1 values for 2 completions.*'first'"),
         ("reward_helpers.returns_nan", r"'returns_nan' returned nan for completion 1 of prompt 'second'.*return None"),
-        ("reward_helpers.returns_text", r"'returns_text' returned 'high'.*float or None"),
+        ("reward_helpers.returns_text", r"'returns_text' returned 'high' \(str\).*a number.*or None"),
+        ("reward_helpers.numeric_text", r"'numeric_text' returned '0.5' \(str\) for completion 0.*a number"),
     ],
 )
 def test_bad_values(spec, message):
@@ -478,3 +481,20 @@ def test_reward_model_in_a_reward_set_is_never_a_submodule(rm_dirs):
         assert rs._remote == [False, True]
         _, per = rs.score(PROMPTS, COMPLETIONS, _policy_ids(), {})
         assert os.getpid() not in set(per["pid"].tolist())
+
+
+@pytest.mark.parametrize("value, expected", [
+    (1, 1.0), (0.25, 0.25), (True, 1.0), (np.float32(0.25), 0.25), (np.int64(3), 3.0), (np.bool_(True), 1.0),
+    (np.array(0.5), 0.5), (torch.tensor(0.5), 0.5), (torch.tensor(2), 2.0), (torch.tensor(False), 0.0),
+    (torch.tensor(0.5, dtype=torch.bfloat16), 0.5)])
+def test_a_reward_may_be_any_real_number_type(value, expected):
+    got = to_floats("f", [value, None], ["p", "q"])
+    assert got[0] == expected and type(got[0]) is float and got[1] != got[1]  # None: NaN
+
+
+@pytest.mark.parametrize("value", ["0.5", b"1", 1j, [0.5], torch.tensor([0.5]), np.array([0.5]), np.array("1"),
+                                   torch.tensor(1j), {"reward": 1.0}])
+def test_anything_else_is_refused_naming_the_function_and_the_completion(value):
+    with pytest.raises(RewardError, match=r"reward function 'f' returned .* for completion 1 \(prompt 'q'\): a reward "
+                                          r"is a number"):
+        to_floats("f", [1.0, value], ["p", "q"])

@@ -12,10 +12,12 @@ import functools
 import importlib
 import inspect
 import math
+import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -270,6 +272,19 @@ def invoke(fn: RewardFunction, mode: str, prompts, completions, completion_ids, 
     return list(values)
 
 
+def reward_number(value) -> float | None:
+    """``value`` as a float when it is a real number: ``int``, ``float``, ``bool``, a numpy scalar (or 0-d array)
+    of a bool, integer or floating dtype, or a 0-d torch tensor of a real dtype; None for anything else (a string
+    such as ``"0.5"``, a complex, a list, a tensor of several values): a value is used as it is, never parsed."""
+    if isinstance(value, (numbers.Real, np.bool_)):  # int, float, bool, Fraction, numpy's real scalars
+        return float(value)
+    if isinstance(value, torch.Tensor):
+        return float(value.item()) if value.ndim == 0 and not value.dtype.is_complex else None
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf":  # bool, int, uint, float
+        return float(value.item())
+    return None
+
+
 def to_floats(name: str, values: Sequence, prompts: Sequence[str], offset: int = 0,
               total: int | None = None) -> list[float]:
     """Check one function's values; ``None`` -> NaN. ``offset`` is the chunk's first completion."""
@@ -285,13 +300,13 @@ def to_floats(name: str, values: Sequence, prompts: Sequence[str], offset: int =
         if v is None:
             out.append(math.nan)
             continue
-        try:
-            f = float(v)
-        except (TypeError, ValueError) as err:
+        f = reward_number(v)
+        if f is None:
             raise RewardError(
-                f"reward function {name!r} returned {v!r} for completion {offset + i} (prompt "
-                f"{short_repr(prompts[i])}): expected a float or None"
-            ) from err
+                f"reward function {name!r} returned {short_repr(v)} ({type(v).__name__}) for completion "
+                f"{offset + i} (prompt {short_repr(prompts[i])}): a reward is a number (int, float, bool, a numpy "
+                "or 0-d torch scalar) or None for a missing one; convert it in the function"
+            )
         if not math.isfinite(f):
             raise RewardError(
                 f"reward function {name!r} returned {f} for completion {offset + i} of prompt "

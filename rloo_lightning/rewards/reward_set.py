@@ -197,7 +197,7 @@ class RewardSet:
                 self._warned_no_reward.add(name)
                 warnings.warn(
                     f"reward function {name!r} gave no reward (None) for every one of the {n} completions of "
-                    "this call: with no valid value there is no learning signal (reward 0, val/reward NaN); "
+                    "this call: with no valid value there is no learning signal (train/reward and val/reward NaN); "
                     "it should return a float per completion, None only where a completion cannot be scored",
                     RewardWarning, stacklevel=2,
                 )
