@@ -255,9 +255,10 @@ def _encode_into(source: Source, encoder: PromptEncoder, writer: _Writer) -> tup
     return n, dropped
 
 
-def held_out_count(val_size: float, n: int) -> int:
-    """Validation rows held out of ``n``: a fraction (< 1) of them, rounded, or a count (>= 1)."""
-    return int(round(val_size * n)) if val_size < 1 else int(val_size)
+def held_out_count(val_size: float, n: int, cap: int | None = None) -> int:
+    """Validation rows held out of ``n``: a fraction (< 1) of them, rounded, or a count (>= 1); at most ``cap``."""
+    count = int(round(val_size * n)) if val_size < 1 else int(val_size)
+    return count if cap is None else min(count, cap)
 
 
 class PromptCache:
@@ -426,8 +427,8 @@ class PromptCache:
               ) -> dict:
         """Encodes ``sources`` (``{split: source}``) into the entry and returns its metadata.
 
-        With ``hold_out=(split, val_size, seed)`` the single source is split: ``held_out_count(val_size, n)`` of
-        its n rows, chosen by ``random.Random(seed)``'s shuffle of the row indices, go to ``split``
+        With ``hold_out=(split, val_size, seed[, cap])`` the single source is split: ``held_out_count(val_size, n,
+        cap)`` of its n rows, chosen by ``random.Random(seed)``'s shuffle of the row indices, go to ``split``
         (``validation``) and the others to ``train``; long prompts are dropped (or raise) before the split is
         drawn, and the draw is over all n rows, so it does not depend on the length limit.
 
@@ -453,7 +454,7 @@ class PromptCache:
                     if dropped:
                         meta["dropped"][split] = len(dropped)
             else:
-                self._build_split(tmp, next(iter(sources.values())), encoder, *hold_out, meta)
+                self._build_split(tmp, next(iter(sources.values())), encoder, meta, *hold_out)
             meta["files"] = {f"{split}.arrow": {"bytes": (tmp / f"{split}.arrow").stat().st_size,
                                                 CHECKSUM: _file_digest(tmp / f"{split}.arrow")}
                              for split in meta["splits"]}
@@ -486,8 +487,8 @@ class PromptCache:
                                "that only rloo_lightning writes to")
 
     @staticmethod
-    def _build_split(tmp: Path, source: Source, encoder: PromptEncoder, val_split: str, val_size: float, seed: int,
-                     meta: dict) -> None:
+    def _build_split(tmp: Path, source: Source, encoder: PromptEncoder, meta: dict, val_split: str, val_size: float,
+                     seed: int, cap: int | None = None) -> None:
         import numpy as np
         import pyarrow as pa
         import pyarrow.compute as pc
@@ -498,7 +499,7 @@ class PromptCache:
         order = list(range(n))
         random.Random(seed).shuffle(order)
         is_val = np.zeros(n, dtype=bool)
-        is_val[order[:held_out_count(val_size, n)]] = True
+        is_val[order[:held_out_count(val_size, n, cap)]] = True
         del order
         writers = {"train": _Writer(tmp / "train.arrow"), val_split: _Writer(tmp / f"{val_split}.arrow")}
         table = PromptRows.open(tmp / "all.arrow").table
