@@ -189,7 +189,7 @@ def test_missing_prompt_column_names_column_and_row(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError) as err:
         dm.setup("fit")
     msg = str(err.value)
-    assert "'prompt'" in msg and "row 4" in msg and "prompt_column" in msg and "question" in msg
+    assert "'prompt'" in msg and "line 5" in msg and "prompt_column" in msg and "question" in msg
 
 
 # Row numbers in errors are the file's rows, not positions after the train/validation split.
@@ -214,7 +214,7 @@ def test_prompt_longer_than_context_raises(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError) as err:
         dm.setup("fit")
     msg = str(err.value)
-    assert "row 2" in msg and "32" in msg and "context" in msg
+    assert "line 3" in msg and "32" in msg and "context" in msg
 
 
 def test_prompt_plus_completion_budget_longer_than_context_raises(tiny_model_dir, tmp_path):
@@ -226,13 +226,21 @@ def test_prompt_plus_completion_budget_longer_than_context_raises(tiny_model_dir
     ok.setup("fit")  # 25 + 7 = 32 fits exactly
     dm = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, train_file=train, val_file=train, batch_size=2,
                           max_new_tokens=8)
-    with pytest.raises(ValueError, match=r"row 1.*max_new_tokens=8.*32"):
+    with pytest.raises(ValueError, match=r"line 2.*max_new_tokens=8.*32"):
         dm.setup("fit")
 
 
-def test_task_and_train_file_are_exclusive(tmp_path):
-    with pytest.raises(ValueError, match=r"task.*train_file"):
-        PromptDataModule(tokenizer_name_or_path="x", task="reverse", train_file=str(tmp_path / "t.jsonl"))
+def test_a_train_file_over_a_task_uses_the_file_and_one_line_says_the_task_is_ignored(tiny_model_dir, tmp_path,
+                                                                                      info_lines):
+    path = _write_jsonl(tmp_path / "train.jsonl", _rows(40))
+    dm = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, task="reverse", num_val_rows=200, train_file=path,
+                          batch_size=4, cache_dir=str(tmp_path))
+    assert dm.hparams.task is None
+    said = [line for line in info_lines if "is ignored" in line]
+    assert said == [f"PromptDataModule: train_file={path!r} is given, so task='reverse' (and num_val_rows=200) is "
+                    "ignored"]
+    dm.setup("fit")
+    assert len(dm.train_rows) + len(dm.val_rows) == 40
     with pytest.raises(ValueError, match=r"task.*train_file"):
         PromptDataModule(tokenizer_name_or_path="x")
 

@@ -6,6 +6,7 @@ Complements tests/test_data.py (which covers .jsonl/.json basics, collate and th
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -112,7 +113,7 @@ def test_every_local_format_reads_rows_and_columns(tiny_model_dir, tmp_path, suf
 def test_read_rows_names_file_and_row(tmp_path):
     path = _write(tmp_path / "d.parquet", _rows(3))
     pairs = read_rows(path)
-    assert [w for w, _ in pairs] == [f"{path} row {i}" for i in range(3)]
+    assert [w for w, _ in pairs] == [f"{path} row {i}" for i in (1, 2, 3)]  # counted from 1
     assert [r for _, r in pairs] == _rows(3)
 
 
@@ -129,7 +130,7 @@ def test_folder_of_mixed_files_reads_all_in_sorted_path_order(tiny_model_dir, tm
 
     pairs = read_rows(str(folder))
     assert [r["id"] for _, r in pairs] == expected_ids
-    assert pairs[3][0].endswith("b.csv row 0") and pairs[-1][0].endswith("c.parquet row 1")
+    assert pairs[3][0].endswith("b.csv row 1") and pairs[-1][0].endswith("c.parquet row 2")
     assert read_rows(str(folder)) == pairs  # deterministic
 
     dm = _dm(tiny_model_dir, str(folder), val_file=str(folder), batch_size=4, val_batch_size=len(expected_ids))
@@ -149,7 +150,7 @@ def test_error_in_a_folder_names_the_file_and_row(tiny_model_dir, tmp_path):
     bad[1] = {"question": "abc=", "answer": "cba", "id": 11, "weight": 0.0}
     _write(folder / "b.parquet", bad)
     dm = _dm(tiny_model_dir, str(folder), val_file=str(folder))
-    with pytest.raises(ValueError, match=r"b\.parquet row 1.*'prompt'"):
+    with pytest.raises(ValueError, match=r"b\.parquet row 2.*'prompt'"):
         dm.setup("fit")
 
 
@@ -276,7 +277,7 @@ def test_system_prompt_comes_first(chat_model_dir, tmp_path):
 def test_messages_prompt_without_template_raises(tiny_model_dir, tmp_path):
     path = _write(tmp_path / "t.jsonl", [{"prompt": "abc="}, {"prompt": [{"role": "user", "content": "ab"}]}])
     dm = _dm(tiny_model_dir, path, val_file=path)
-    with pytest.raises(ValueError, match=r"t\.jsonl row 1.*chat template"):
+    with pytest.raises(ValueError, match=r"t\.jsonl line 2.*chat template"):
         dm.setup("fit")
 
 
@@ -290,7 +291,7 @@ def test_system_prompt_without_template_raises(tiny_model_dir, tmp_path):
 def test_messages_prompt_with_chat_template_off_raises(chat_model_dir, tmp_path):
     path = _write(tmp_path / "t.jsonl", [{"prompt": [{"role": "user", "content": "ab"}]}] * 2)
     dm = _dm(chat_model_dir, path, val_file=path, use_chat_template=False)
-    with pytest.raises(ValueError, match=r"row 0.*use_chat_template"):
+    with pytest.raises(ValueError, match=r"line 1.*use_chat_template"):
         dm.setup("fit")
 
 
@@ -344,7 +345,7 @@ def test_long_prompt_error_names_file_and_row(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError) as err:
         dm.setup("fit")
     msg = str(err.value)
-    assert "long.csv row 3" in msg and "8 tokens" in msg and "max_prompt_length=5" in msg, msg
+    assert "long.csv row 4" in msg and "8 tokens" in msg and "max_prompt_length=5" in msg, msg
     assert "on_long_prompt" in msg
 
 
@@ -397,3 +398,47 @@ def test_train_loader_batches_are_full_and_cover_the_rows(tiny_model_dir, tmp_pa
     seen = [i for b in batches for i in b["columns"]["id"]]
     assert len(set(seen)) == 8 and set(seen) <= set(range(10))
     assert isinstance(batches[0]["input_ids"], torch.Tensor)
+
+
+# ---------------------------------------------------------------------------------------------
+# data the model cannot read: unknown tokens, chat roles
+# ---------------------------------------------------------------------------------------------
+def test_a_prompt_more_than_half_unknown_is_refused_naming_the_file_and_line(tiny_model_dir, tmp_path):
+    rows = _rows(8)
+    rows[5]["prompt"] = "Какой ответ?"  # outside the tiny tokenizer's alphabet: every character is <unk>
+    path = _write(tmp_path / "t.jsonl", rows)
+    dm = _dm(tiny_model_dir, path, val_file=path)
+    with pytest.raises(ValueError, match=r"t\.jsonl line 6: 12 of the prompt's 12 tokens are the unknown token "
+                                         r"'<unk>': the tokenizer of .* cannot read it"):
+        dm.setup("fit")
+
+
+def test_a_split_with_more_than_1_percent_unknown_tokens_warns_on_every_start(tiny_model_dir, tmp_path):
+    rows = _rows(40)
+    rows[3]["prompt"] = "abc?="  # 1 unknown of 5 tokens: the prompt is read, the split's share is 1 / 160
+    rows[4]["prompt"] = "ab!c="
+    path = _write(tmp_path / "t.jsonl", rows)
+    for _ in range(2):  # the second start reads the cache: the counts are in its entry
+        dm = _dm(tiny_model_dir, path, val_file=path)
+        with pytest.warns(UserWarning, match=r"1\.2 % of the prompt tokens of .*t\.jsonl \(2 of 162\) are the "
+                                             r"unknown token '<unk>'"):
+            dm.setup("fit")
+    clean = _write(tmp_path / "clean.jsonl", _rows(40))
+    dm = _dm(tiny_model_dir, clean, val_file=clean)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dm.setup("fit")
+
+
+def test_a_chat_role_outside_the_four_is_refused_unless_listed(chat_model_dir, tmp_path):
+    messages = [{"role": "system", "content": "ab"}, {"role": "usr", "content": "abc="}]
+    path = _write(tmp_path / "chat.jsonl", [{"prompt": messages, "answer": "cba"}] * 2)
+    dm = _dm(chat_model_dir, path, val_file=path)
+    with pytest.raises(ValueError, match=r"chat\.jsonl line 1: message 1 has role 'usr' \(did you mean 'user'\?\); "
+                                         r"a chat role is one of system, user, assistant, tool.*data.extra_roles"):
+        dm.setup("fit")
+    listed = _dm(chat_model_dir, path, val_file=path, extra_roles=["usr"])
+    listed.setup("fit")
+    assert listed.val_rows[0]["prompt"] == messages
+    with pytest.raises(ValueError, match="extra_roles lists \\['user'\\], which are always accepted"):
+        _dm(chat_model_dir, path, val_file=path, extra_roles=["user"])

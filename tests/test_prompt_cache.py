@@ -159,7 +159,7 @@ def test_a_bad_row_stops_the_build_and_leaves_no_entry(tiny_model_dir, tmp_path)
     rows[2500]["prompt"] = ""
     data = _write_jsonl(tmp_path / "train.jsonl", rows)
     cache = tmp_path / "c"
-    with pytest.raises(ValueError, match=r"train.jsonl row 2500: prompt column 'prompt' must be a non-empty"):
+    with pytest.raises(ValueError, match=r"train.jsonl line 2501: prompt column 'prompt' must be a non-empty"):
         _dm(tiny_model_dir, cache, train_file=data).setup("fit")
     assert _entries(cache) == []  # no entry, no temporary folder
 
@@ -170,7 +170,7 @@ def test_malformed_jsonl_line_is_reported_by_its_line_number(tiny_model_dir, tmp
     lines.insert(3, "")  # a blank line is skipped, and still counted as a line
     lines[6] = '{"prompt": "ab=", '
     path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(ValueError, match=r"train.jsonl: line 7 is not valid JSON"):
+    with pytest.raises(ValueError, match=r"train.jsonl line 7: not valid JSON"):
         _dm(tiny_model_dir, tmp_path / "c", train_file=str(path)).setup("fit")
 
 
@@ -179,7 +179,7 @@ def test_long_prompts_error_names_the_row_or_are_dropped_and_counted_on_every_st
     for i in (7, 21, 33):
         rows[i]["prompt"] = "abcdefgh" * 2 + "="
     data = _write_jsonl(tmp_path / "train.jsonl", rows)
-    with pytest.raises(ValueError, match=r"train.jsonl row 7: prompt of 17 tokens exceeds max_prompt_length=8"):
+    with pytest.raises(ValueError, match=r"train.jsonl line 8: prompt of 17 tokens exceeds max_prompt_length=8"):
         _dm(tiny_model_dir, tmp_path / "c", train_file=data, max_prompt_length=8).setup("fit")
     for _ in range(2):  # built, then opened: the counts come back from the cache
         dm = _dm(tiny_model_dir, tmp_path / "c", train_file=data, max_prompt_length=8, on_long_prompt="drop",
@@ -207,7 +207,7 @@ def test_a_value_json_cannot_hold_is_named_with_its_row_and_column(tiny_model_di
 
     table = pa.table({"prompt": ["ab=", "cd="], "when": [datetime.datetime(2020, 1, 1), datetime.datetime(2021, 1, 1)]})
     pq.write_table(table, tmp_path / "t.parquet")
-    with pytest.raises(ValueError, match=r"t.parquet row 0: column 'when' holds a datetime value"):
+    with pytest.raises(ValueError, match=r"t.parquet row 1: column 'when' holds a datetime value"):
         _dm(tiny_model_dir, tmp_path / "c", train_file=str(tmp_path / "t.parquet"), val_size=0, batch_size=1
             ).setup("fit")
     assert _entries(tmp_path / "c") == []

@@ -444,13 +444,15 @@ class PromptCache:
             raise PromptCacheError(f"prompt cache: cannot write to the folder {self.path.parent} ({err}); set "
                                    f"{CACHE_DIR_OPTION} to a writable folder") from err
         try:
-            meta = {"key": self.key_fields, "splits": {}, "dropped": {}, "source_rows": {}}
+            meta = {"key": self.key_fields, "splits": {}, "dropped": {}, "source_rows": {}, "unknown_tokens": {}}
             if hold_out is None:
                 for split, source in sources.items():
                     writer = _Writer(tmp / f"{split}.arrow")
+                    encoder.counts = {"tokens": 0, "unknown": 0}
                     n, dropped = _encode_into(source, encoder, writer)
                     writer.close()
                     meta["splits"][split], meta["source_rows"][split] = writer.rows, n
+                    meta["unknown_tokens"][split] = [encoder.counts["unknown"], encoder.counts["tokens"]]
                     if dropped:
                         meta["dropped"][split] = len(dropped)
             else:
@@ -494,8 +496,10 @@ class PromptCache:
         import pyarrow.compute as pc
 
         everything = _Writer(tmp / "all.arrow")
+        encoder.counts = {"tokens": 0, "unknown": 0}
         n, dropped = _encode_into(source, encoder, everything)
         everything.close()
+        meta["unknown_tokens"]["all"] = [encoder.counts["unknown"], encoder.counts["tokens"]]
         order = list(range(n))
         random.Random(seed).shuffle(order)
         is_val = np.zeros(n, dtype=bool)

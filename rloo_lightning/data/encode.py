@@ -6,11 +6,16 @@ Used once per row when the prompt cache is built (:mod:`rloo_lightning.data.cach
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 from typing import Iterable
 
-__all__ = ["PromptEncoder", "tokenizer_fingerprint"]
+__all__ = ["CHAT_ROLES", "PromptEncoder", "UNKNOWN_REFUSED", "UNKNOWN_WARNED", "tokenizer_fingerprint"]
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # what every chat template knows; others need data.extra_roles
+UNKNOWN_REFUSED = 0.5  # a prompt whose tokens are more than this share unknown is refused: the model cannot read it
+UNKNOWN_WARNED = 0.01  # a split whose prompt tokens are more than this share unknown gives a warning
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -45,7 +50,8 @@ class PromptEncoder:
 
     def __init__(self, tokenizer, tokenizer_name: str, prompt_column: str, use_chat_template, system_prompt,
                  on_long_prompt: str, max_prompt_length: int | None, max_new_tokens: int,
-                 max_prompt_tokens: int | None, context: int | None, tools: list[dict] | None = None) -> None:
+                 max_prompt_tokens: int | None, context: int | None, tools: list[dict] | None = None,
+                 extra_roles: list[str] | None = None) -> None:
         self.tokenizer = tokenizer
         self.tokenizer_name = tokenizer_name
         self.prompt_column = prompt_column
@@ -57,6 +63,10 @@ class PromptEncoder:
         self.max_prompt_tokens = max_prompt_tokens
         self.context = context
         self.tools = tools
+        self.roles = (*CHAT_ROLES, *(extra_roles or ()))
+        self.extra_roles = list(extra_roles or ())
+        self.unknown_id = getattr(tokenizer, "unk_token_id", None)
+        self.counts = {"tokens": 0, "unknown": 0}  # of the prompts encoded (reset by the cache per split)
         self._fingerprint: str | None = None
 
     def identity(self) -> dict:
@@ -67,7 +77,10 @@ class PromptEncoder:
         return {"tokenizer": self._fingerprint, "chat_template": self.tokenizer.chat_template,
                 "use_chat_template": self.use_chat_template, "system_prompt": self.system_prompt,
                 "prompt_column": self.prompt_column, "max_prompt_tokens": self.max_prompt_tokens,
-                "on_long_prompt": self.on_long_prompt, **({"tools": self.tools} if self.tools else {})}
+                "on_long_prompt": self.on_long_prompt, **({"tools": self.tools} if self.tools else {}),
+                # the checks a row passed when the entry was built (roles, unknown tokens): rows accepted under
+                # other ones are checked again
+                "checks": {"version": 1, "extra_roles": self.extra_roles}}
 
     def format_prompt(self, prompt, where: str) -> tuple[str, bool]:
         """The text fed to the model for ``prompt`` and whether it went through the chat template."""
@@ -108,6 +121,15 @@ class PromptEncoder:
         if not (isinstance(prompt, str) and prompt) and not is_messages:
             raise ValueError(f"{where}: prompt column {col!r} must be a non-empty string or a list of "
                              f"{{'role', 'content'}} messages, got {prompt!r:.80}")
+        if is_messages:
+            for j, message in enumerate(prompt):
+                role = message["role"]
+                if role not in self.roles:
+                    close = difflib.get_close_matches(str(role), self.roles, n=1)
+                    raise ValueError(
+                        f"{where}: message {j} has role {role!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                        + f"; a chat role is one of {', '.join(self.roles)}. List a role your chat template "
+                        "accepts in data.extra_roles")
         return prompt
 
     def encode(self, pairs: Iterable[tuple[str, dict]]) -> list[dict | None]:
@@ -132,10 +154,22 @@ class PromptEncoder:
                     continue
                 raise ValueError(f"{where}: prompt of {len(row_ids)} tokens {self._long_why()}; shorten it or "
                                  "set on_long_prompt=drop")
+            self._count_unknown(where, row_ids)
             col = self.prompt_column
             columns = {c: v for c, v in row.items() if c != col}
             out.append({"input_ids": row_ids, "prompt": row[col], "columns": columns})
         return out
+
+    def _count_unknown(self, where: str, ids: list[int]) -> None:
+        """Adds the prompt's tokens to :attr:`counts`; refuses a prompt more than ``UNKNOWN_REFUSED`` unknown."""
+        unknown = ids.count(self.unknown_id) if self.unknown_id is not None else 0
+        self.counts["tokens"] += len(ids)
+        self.counts["unknown"] += unknown
+        if ids and unknown > UNKNOWN_REFUSED * len(ids):
+            token = getattr(self.tokenizer, "unk_token", None)
+            raise ValueError(f"{where}: {unknown} of the prompt's {len(ids)} tokens are the unknown token {token!r}: "
+                             f"the tokenizer of {self.tokenizer_name!r} cannot read it (characters outside its "
+                             "vocabulary, or text meant for another model's tokenizer)")
 
     def _tokenize(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         """Token ids of ``texts``. A fast tokenizer's own pipeline is called directly: the same ids as

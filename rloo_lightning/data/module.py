@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from rloo_lightning.data.cache import PromptCache, PromptRows
-from rloo_lightning.data.encode import PromptEncoder
+from rloo_lightning.data.encode import CHAT_ROLES, UNKNOWN_WARNED, PromptEncoder
 from rloo_lightning.data.sampling import ResumableDataLoader, ResumableSampler, collate_prompts
 from rloo_lightning.data.sources import default_cache_dir, file_source, task_sources
 from rloo_lightning.environments.tools import tool_schemas
@@ -44,7 +44,8 @@ class PromptDataModule(LightningDataModule):
     Args:
         tokenizer_name_or_path: the policy's tokenizer (linked by the CLI).
         gguf_file: GGUF file inside ``tokenizer_name_or_path`` (linked by the CLI).
-        task: an embedded task name (e.g. ``reverse``); exclusive with ``train_file``.
+        task: an embedded task name (e.g. ``reverse``). With ``train_file`` as well (a file given over a config
+            that names a task), the file is used and one line says the task is ignored.
         train_file: a local file (.jsonl, .json, .csv, .parquet, .arrow), a folder of them, or a
             ``datasets.load_dataset`` name (hub or local script).
         val_file: held-out prompts (same forms); without it, ``val_size`` rows are held out.
@@ -55,7 +56,11 @@ class PromptDataModule(LightningDataModule):
             completions; ``predict`` needs neither ``task`` nor ``train_file``.
         dataset_config: the dataset configuration name for ``load_dataset``.
         train_split, val_split: splits to read from a dataset name.
-        prompt_column: the column holding the prompt (string or messages list).
+        prompt_column: the column holding the prompt (string or messages list). A prompt more than half of whose
+            tokens are the tokenizer's unknown token is refused (the model cannot read it), naming the file and
+            row; a split with more than 1 % unknown tokens gives a warning.
+        extra_roles: chat roles a messages prompt may use besides ``system``, ``user``, ``assistant`` and
+            ``tool`` (e.g. ``ipython`` for a template that knows it); any other role is refused, naming the row.
         use_chat_template: ``auto`` applies the tokenizer's chat template (with
             ``add_generation_prompt``) when it has one; ``true`` requires one; ``false`` never.
             A messages-list prompt always needs one.
@@ -116,10 +121,11 @@ class PromptDataModule(LightningDataModule):
         repeat_batches: int = 1,
         trust_remote_code: bool = False,
         cache_dir: str | None = None,
+        extra_roles: list[str] | None = None,
     ) -> None:
         super().__init__()
-        if task is not None and train_file is not None:
-            raise ValueError("PromptDataModule: give one of `task` (embedded) or `train_file`, not both")
+        # A train_file given over a config with a task (quickstart.yaml's): the file is what the user means.
+        dropped_task, task = (task, None) if task is not None and train_file is not None else (None, task)
         if task is None and train_file is None and test_file is None and predict_file is None:
             raise ValueError("PromptDataModule: give `task` (embedded) or `train_file` (or only `predict_file` "
                              "for predict, `test_file` for test)")
@@ -133,10 +139,13 @@ class PromptDataModule(LightningDataModule):
             raise ValueError(f"use_chat_template must be 'auto', true or false, got {use_chat_template!r}")
         if max_prompt_length is not None and max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+        unknown_roles = sorted(set(extra_roles or ()) & set(CHAT_ROLES))
+        if unknown_roles:
+            raise ValueError(f"extra_roles lists {unknown_roles}, which are always accepted; list only other roles")
         self.save_hyperparameters()
         # Tool import paths resolve now: a typo fails before any tokenizer or model is loaded.
         self.tool_schemas = tool_schemas(tools) if tools else None
-        self._warn_ignored_options()
+        self._warn_ignored_options(dropped_task)
         self._warned_incomplete_batch = False
         self.tokenizer = None
         self.train_rows: PromptRows = PromptRows.from_rows([])
@@ -149,9 +158,15 @@ class PromptDataModule(LightningDataModule):
         self._held_out_split: dict | None = None  # a split held out of train_file: {"source_rows": n}
         self._kept_val_rows: int | None = None  # a resumed run's held-out count (load_state_dict)
 
-    def _warn_ignored_options(self) -> None:
+    def _warn_ignored_options(self, dropped_task: str | None = None) -> None:
         """Options given that the chosen source does not use: a warning naming each (they are not silent)."""
         hp = self.hparams
+        if dropped_task is not None:  # with the task, the options that size its splits go too: one line for all
+            sized = [f"{name}={getattr(hp, name)}" for name in ("num_train_rows", "num_val_rows")
+                     if getattr(hp, name) is not None]
+            rank_zero_info(f"PromptDataModule: train_file={hp.train_file!r} is given, so task={dropped_task!r}"
+                           + (f" (and {', '.join(sized)})" if sized else "") + " is ignored")
+            return
         if hp.task is not None:
             ignored = {"val_file": hp.val_file, "val_size": hp.val_size, "dataset_config": hp.dataset_config}
             why = f"task={hp.task!r} generates its own splits (sized by num_train_rows / num_val_rows)"
@@ -313,6 +328,7 @@ class PromptDataModule(LightningDataModule):
                 meta = self._ensure(cache, sources, hold_out)
                 rows = cache.open(meta)[stage]
                 self._log_dropped(meta)
+                self._warn_unknown(meta, sources)
                 source = hp.predict_file if stage == "predict" else hp.test_file
                 rank_zero_info(f"PromptDataModule: {len(rows)} {stage} prompts from {stage}_file {source}")
                 setattr(self, f"{stage}_rows", rows)
@@ -345,7 +361,17 @@ class PromptDataModule(LightningDataModule):
             self.max_prompt_tokens = min(room, hp.max_prompt_length or room)
         self.encoder = PromptEncoder(self.tokenizer, hp.tokenizer_name_or_path, hp.prompt_column, hp.use_chat_template,
                                      hp.system_prompt, hp.on_long_prompt, hp.max_prompt_length, hp.max_new_tokens,
-                                     self.max_prompt_tokens, self.context, tools=self.tool_schemas)
+                                     self.max_prompt_tokens, self.context, tools=self.tool_schemas,
+                                     extra_roles=hp.extra_roles)
+
+    def _warn_unknown(self, meta: dict, sources: dict) -> None:
+        """A warning per source whose prompt tokens are more than 1 % the tokenizer's unknown token."""
+        for split, (unknown, tokens) in meta.get("unknown_tokens", {}).items():
+            if tokens and unknown > UNKNOWN_WARNED * tokens and split in sources:
+                rank_zero_warn(f"PromptDataModule: {100 * unknown / tokens:.1f} % of the prompt tokens of "
+                               f"{sources[split].name} ({unknown} of {tokens}) are the unknown token "
+                               f"{self.tokenizer.unk_token!r}: the model reads those prompts only in part. Is the "
+                               f"data meant for the tokenizer of {self.hparams.tokenizer_name_or_path!r}?")
 
     def _log_dropped(self, meta: dict) -> None:
         for split, count in meta["dropped"].items():
@@ -361,6 +387,7 @@ class PromptDataModule(LightningDataModule):
         self.train_rows, self.val_rows = splits["train"], splits["validation"]
         self.dropped = {}
         self._log_dropped(meta)
+        self._warn_unknown(meta, sources)
         if hp.task is not None:
             n_val = sources["validation"].identity["val_rows"]
             overlap = n_val - meta["source_rows"]["validation"]

@@ -35,8 +35,9 @@ class Source:
     rows: Callable[[], Iterator[tuple[str, dict]]] = field(repr=False)
 
 
+# Where a row is, in every message: "<file> line N" in a .jsonl file (the line an editor shows), "<file> row N"
+# elsewhere; both count from 1.
 def _jsonl_rows(path: Path, name: str) -> Iterator[tuple[str, dict]]:
-    i = 0
     with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
@@ -44,9 +45,8 @@ def _jsonl_rows(path: Path, name: str) -> Iterator[tuple[str, dict]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}: line {line_no} is not valid JSON: {err}") from err
-            yield f"{name} row {i}", row
-            i += 1
+                raise ValueError(f"{name} line {line_no}: not valid JSON: {err}") from err
+            yield f"{name} line {line_no}", row
 
 
 def _json_rows(path: Path, name: str) -> Iterator[tuple[str, dict]]:
@@ -56,13 +56,13 @@ def _json_rows(path: Path, name: str) -> Iterator[tuple[str, dict]]:
         raise ValueError(f"{path}: not valid JSON ({err}); expected a list of objects, or use .jsonl") from err
     if not isinstance(rows, list):
         raise ValueError(f"{path}: expected a list of objects, got {type(rows).__name__}")
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows, start=1):
         yield f"{name} row {i}", row
 
 
 def _dataset_rows(ds, name: str) -> Iterator[tuple[str, dict]]:
     """Rows of a ``datasets.Dataset``, a batch at a time (the dataset itself stays in Arrow)."""
-    i = 0
+    i = 1
     for batch in ds.iter(batch_size=BATCH_ROWS):
         columns = list(batch)
         for values in zip(*(batch[c] for c in columns)):
@@ -149,7 +149,7 @@ def task_sources(task: str, num_train_rows: int, num_val_rows: int, seed: int, p
                 "version": spec.version}
     return tuple(Source(f"task {task!r}", {**identity, "split": split},
                         lambda split=split: ((f"task {task} {split} row {i}", r)
-                                             for i, r in enumerate(splits()[split])))
+                                             for i, r in enumerate(splits()[split], start=1)))
                  for split in ("train", "validation"))
 
 
