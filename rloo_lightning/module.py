@@ -173,6 +173,9 @@ class RLOOModule(LightningModule):
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if self.episodes is not None and datamodule is not None:
             self.episodes.check_data(datamodule)
+        if self.rewards is not None and stage != "predict":
+            for source, names in getattr(datamodule, "columns", lambda stage: [])(stage):
+                self.rewards.check_columns(names, source)  # the data's own columns, before the model loads
 
     # -- models --------------------------------------------------------------------------------
     def configure_model(self) -> None:

@@ -456,3 +456,18 @@ def test_no_small_validation_warning_for_enough_prompts_or_val_size_0(tiny_model
         PromptDataModule(tokenizer_name_or_path=tiny_model_dir, train_file=path, val_size=val_size,
                          batch_size=4).setup("fit")
     assert not [m for m in _messages(recwarn) if "validation split has only" in m]
+
+
+def test_under_the_cli_a_train_file_over_the_quickstart_config_reads_the_file(tiny_model_dir, tmp_path):
+    """LightningCLI hands the parsed config to ``save_hyperparameters``: the task must leave the hparams too."""
+    from cli_harness import CONFIGS
+
+    from rloo_lightning.cli import RLOOCLI
+
+    path = _write_jsonl(tmp_path / "train.jsonl", _rows(40))
+    cli = RLOOCLI(RLOOModule, PromptDataModule, run=False, save_config_callback=None,
+                  args=["--config", str(CONFIGS / "quickstart.yaml"), "--model.model_name_or_path", tiny_model_dir,
+                        "--data.train_file", path, "--data.cache_dir", str(tmp_path / "cache")])
+    assert cli.datamodule.hparams.task is None
+    cli.datamodule.setup("fit")
+    assert len(cli.datamodule.train_rows) + len(cli.datamodule.val_rows) == 40

@@ -498,3 +498,33 @@ def test_anything_else_is_refused_naming_the_function_and_the_completion(value):
     with pytest.raises(RewardError, match=r"reward function 'f' returned .* for completion 1 \(prompt 'q'\): a reward "
                                           r"is a number"):
         to_floats("f", [1.0, value], ["p", "q"])
+
+
+def test_a_signature_is_checked_against_the_datas_columns_before_the_model_loads(tiny_model_dir, tmp_path):
+    from lightning.pytorch import Trainer
+
+    from rloo_lightning import RLOOModule
+    from rloo_lightning.data import PromptDataModule
+
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(f'{{"prompt": "abc=", "answer": "cba", "solutions": "{i}"}}\n' for i in range(16)))
+    module = RLOOModule(tiny_model_dir, rewards={"funcs": ["reward_helpers.needs_solution"]},
+                        validation={"at_start": False})
+    data = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, train_file=str(path), batch_size=4,
+                            cache_dir=str(tmp_path / "cache"))
+    trainer = Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                      enable_checkpointing=False, default_root_dir=tmp_path)
+    with pytest.raises(RewardError, match=r"'needs_solution'.*It requires \['solution'\], which is not a dataset "
+                                          r"column \(columns: \['answer', 'solutions'\]; did you mean 'solutions'\?\)"
+                                          r".*\[data: the training prompts of .*train.jsonl\]"):
+        trainer.fit(module, datamodule=data)
+    assert module.policy is None  # refused before configure_model loaded anything
+
+
+def test_before_the_data_is_read_a_wrong_signature_lists_no_columns():
+    def keyword_style(completions, solution_text):  # neither (prompts, completions, completion_ids) nor **kwargs
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardError) as err:
+        RewardSet.from_specs([keyword_style])
+    assert "must accept" in str(err.value) and "columns:" not in str(err.value)

@@ -143,6 +143,8 @@ class PromptDataModule(LightningDataModule):
         if unknown_roles:
             raise ValueError(f"extra_roles lists {unknown_roles}, which are always accepted; list only other roles")
         self.save_hyperparameters()
+        if dropped_task is not None:  # under LightningCLI the hyperparameters are the parsed config's, not the locals
+            self.hparams.task = None
         # Tool import paths resolve now: a typo fails before any tokenizer or model is loaded.
         self.tool_schemas = tool_schemas(tools) if tools else None
         self._warn_ignored_options(dropped_task)
@@ -363,6 +365,18 @@ class PromptDataModule(LightningDataModule):
                                      hp.system_prompt, hp.on_long_prompt, hp.max_prompt_length, hp.max_new_tokens,
                                      self.max_prompt_tokens, self.context, tools=self.tool_schemas,
                                      extra_roles=hp.extra_roles)
+
+    def columns(self, stage: str) -> list[tuple[str, list[str]]]:
+        """The columns the reward functions get in ``stage`` (those of each scored split's first row), as
+        ``[(which prompts, names)]``: ``fit`` the training and validation prompts, ``validate`` the validation
+        ones, ``test`` the test ones."""
+        hp = self.hparams
+        source = hp.train_file if hp.task is None else f"task {hp.task!r}"
+        splits = {"fit": [("training", self.train_rows, source), ("validation", self.val_rows, hp.val_file or source)],
+                  "validate": [("validation", self.val_rows, hp.val_file or source)],
+                  "test": [("test", self.test_rows, hp.test_file or hp.val_file or source)]}.get(stage, [])
+        return [(f"the {name} prompts of {where}", sorted(rows[0]["columns"])) for name, rows, where in splits
+                if len(rows)]
 
     def _warn_unknown(self, meta: dict, sources: dict) -> None:
         """A warning per source whose prompt tokens are more than 1 % the tokenizer's unknown token."""

@@ -8,6 +8,7 @@ the values it returns. The protocol itself is described in :mod:`rloo_lightning.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import inspect
@@ -180,13 +181,14 @@ def _bindable(sig: inspect.Signature, *args, **kwargs) -> bool:
 
 
 def call_plan(name: str, fn: RewardFunction, column_names: Sequence[str],
-              check_required: bool = True) -> tuple[str, tuple[str, ...]]:
+              check_required: bool = True, columns_known: bool = True) -> tuple[str, tuple[str, ...]]:
     """How to call ``fn`` given these dataset columns: ``(mode, columns to pass)``.
 
     ``mode`` is ``"positional"`` (``fn(prompts, completions, completion_ids, **cols)``) or
     ``"keyword"`` (``fn(prompts=..., completions=..., completion_ids=..., **cols)``, TRL's style).
     A callable may list the columns it reads in ``required_columns`` (the built-ins do).
     Raises :class:`RewardError` naming the function when neither binds or a column is missing.
+    ``columns_known=False``: ``column_names`` are a guess (before the data is read); the error lists none.
     """
     required_columns = getattr(fn, "required_columns", ()) if check_required else ()
     absent = [c for c in required_columns if c not in column_names]
@@ -224,10 +226,12 @@ def call_plan(name: str, fn: RewardFunction, column_names: Sequence[str],
     else:
         wanted = [n for n in required if n not in _STANDARD_ARGS]
     missing = [n for n in wanted if n not in cols]
+    close = [m for name in missing for m in difflib.get_close_matches(name, list(column_names), n=1)]
     detail = (
         f" It requires {missing}, which {'is not a' if len(missing) == 1 else 'are not'} dataset "
-        f"column{'' if len(missing) == 1 else 's'} (columns: {sorted(column_names)})."
-        if missing else ""
+        f"column{'' if len(missing) == 1 else 's'} (columns: {sorted(column_names)}"
+        + (f"; did you mean {', '.join(map(repr, close))}?" if close else "") + ")."
+        if missing and columns_known else ""
     )
     raise RewardError(
         f"reward function {name!r} has signature {name}{sig}: it must accept {_PROTOCOL} "
@@ -248,10 +252,10 @@ def _check_signature(name: str, fn: RewardFunction) -> None:
     as_positional = [p.name for p in required if p not in positional[:3]]
     as_keyword = [p.name for p in required if p.name not in _STANDARD_ARGS]
     try:
-        call_plan(name, fn, as_positional, check_required=False)
+        call_plan(name, fn, as_positional, check_required=False, columns_known=False)
     except RewardError as first:
         try:
-            call_plan(name, fn, as_keyword, check_required=False)
+            call_plan(name, fn, as_keyword, check_required=False, columns_known=False)
         except RewardError:
             raise first from None
 

@@ -151,6 +151,15 @@ class RewardSet:
             self._plans[key] = call_plan(self.names[i], self.funcs[i], column_names)
         return self._plans[key]
 
+    def check_columns(self, column_names: list[str], source: str) -> None:
+        """Every function's signature against the data's columns (``source`` names the data), before any model
+        is loaded: a missing column is an error now, not after the first generation."""
+        for i in range(len(self.funcs)):
+            try:
+                self.plan(i, list(column_names))
+            except RewardError as err:
+                raise RewardError(f"{err} [data: {source}]") from None
+
     def score(self, prompts, completions, completion_ids, columns: dict) -> tuple[torch.Tensor, dict]:
         """Score ``B`` completions.
 
