@@ -7,6 +7,7 @@ import copy
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torchmetrics import MeanMetric
 
@@ -44,6 +45,7 @@ from rloo_lightning.rewards.model import RewardModel
 from rloo_lightning.rewards.shaping import shape_rewards
 from rloo_lightning.rollout import Rollout, default_eos_ids, derive_seed
 from rloo_lightning.rollout import generate_rollout, generation_configs
+from rloo_lightning.threads import use_threads
 from rloo_lightning.timing import PhaseTimer
 from rloo_lightning.update import (
     GradientStash, NonFiniteError, NonFiniteGuard, RolloutReuse, loss_denominators, micro_batched_loss, micro_batches,
@@ -165,6 +167,8 @@ class RLOOModule(LightningModule):
         # Before any model is loaded (Lightning calls configure_model after this).
         if self._trainer is not None:
             stop.attach(self._trainer)  # a SIGTERM from now to the first step ends the run at once (stop.py)
+            # Before any model is loaded: every rank of this node shares its CPUs (threads.py)
+            rank_zero_info(use_threads(self._trainer.num_devices))
         self.engine.check(self._trainer.strategy.root_device if self._trainer is not None else torch.device("cpu"))
         stage = getattr(stage, "value", stage)  # Lightning passes a TrainerFn ("fit", "validate", ...)
         if self.rewards is None and self.episodes is None and stage != "predict":
