@@ -168,7 +168,7 @@ class RLOOModule(LightningModule):
         if self._trainer is not None:
             stop.attach(self._trainer)  # a SIGTERM from now to the first step ends the run at once (stop.py)
             # Before any model is loaded: every rank of this node shares its CPUs (threads.py)
-            rank_zero_info(use_threads(self._trainer.num_devices))
+            rank_zero_info(use_threads(getattr(self._trainer, "num_devices", 1)))
         self.engine.check(self._trainer.strategy.root_device if self._trainer is not None else torch.device("cpu"))
         stage = getattr(stage, "value", stage)  # Lightning passes a TrainerFn ("fit", "validate", ...)
         if self.rewards is None and self.episodes is None and stage != "predict":

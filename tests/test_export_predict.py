@@ -180,8 +180,8 @@ def test_predict_never_overwrites_a_file(tiny_model_dir, tmp_path):
 def test_predict_needs_a_predict_file(tiny_model_dir):
     with pytest.raises(ValueError, match="predict needs data.predict_file"):
         _data(tiny_model_dir, task="reverse").setup("predict")
-    with pytest.raises(ValueError, match="give one of `task`"):
-        _data(tiny_model_dir, task="reverse", train_file="x.jsonl")
+    with pytest.raises(ValueError, match="predict needs data.predict_file"):  # a train_file over a task neither
+        _data(tiny_model_dir, task="reverse", train_file="x.jsonl").setup("predict")
 
 
 def test_predict_options_are_checked():
