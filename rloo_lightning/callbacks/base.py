@@ -7,6 +7,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torchmetrics import MeanMetric
 
 from rloo_lightning import stop
+from rloo_lightning.callbacks.progress import EvaluationProgress
 
 __all__ = ["RolloutHook", "ValidateAtStart"]
 
@@ -35,7 +36,8 @@ class ValidateAtStart(Callback):
 
     Lightning's sanity check runs validation but discards its metrics, so the starting point of
     every ``val/`` curve would be missing. Skipped on resume (global step > 0). Evaluates as many
-    batches as the trainer's ``limit_val_batches`` allows, like every later validation.
+    batches as the trainer's ``limit_val_batches`` allows, like every later validation, and shows its progress
+    on the trainer's :class:`~rloo_lightning.callbacks.StepProgressBar` like every later validation.
     """
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -51,6 +53,7 @@ class ValidateAtStart(Callback):
         if num_batches == 0:
             return
         means: dict[str, MeanMetric] = {}
+        progress = EvaluationProgress(trainer, "validation (before training)", num_batches)  # the trainer's bar
         with torch.no_grad():
             for batch_idx, batch in enumerate(loader):
                 if batch_idx >= num_batches:
@@ -59,8 +62,10 @@ class ValidateAtStart(Callback):
                 batch = pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
                 for name, values in pl_module.evaluate_batch(batch, batch_idx).items():
                     means.setdefault(name, MeanMetric(nan_strategy="ignore").to(pl_module.device)).update(values)
+                progress.advance()
         # MeanMetric.compute reduces sums and counts across ranks.
         metrics = {f"val/{name}": metric.compute().item() for name, metric in means.items()}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=0)
-        pl_module.print(f"validation before training: {metrics}")
+        if not progress.close(metrics):  # plain progress lines: their last one has the metrics
+            pl_module.print(f"validation before training: {metrics}")
