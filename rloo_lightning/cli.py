@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
+import re
 import signal
 import sys
 import warnings
@@ -14,10 +16,11 @@ from lightning.pytorch.callbacks.progress import ProgressBar, RichProgressBar, T
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
-from rloo_lightning import stop
+from rloo_lightning import console, stop
+from rloo_lightning.callbacks.predict import PredictionWriter
 from rloo_lightning.callbacks.progress import StepProgressBar
 from rloo_lightning.checkpoint_io import check_checkpoint_path, install_atomic_checkpoint_io, local_checkpoint_path
-from rloo_lightning.config import RENAMED
+from rloo_lightning.config import RENAMED, check_learning_rate
 from rloo_lightning.data import PromptDataModule
 from rloo_lightning.export import checkpoint_hparams, main as export_main
 from rloo_lightning.importpath import add_cwd_to_sys_path
@@ -38,8 +41,8 @@ _THIRD_PARTY_NOISE = {
 # Lightning's own use of a torch API that torch deprecated (lightning/pytorch/utilities/_pytree.py).
 _PYTREE_DEPRECATION = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 # Exception types whose message says it all; other types are named on the error line (NonFiniteError: ...).
-_PLAIN_ERRORS = (ValueError, RuntimeError, OSError, FileNotFoundError, ImportError, ModuleNotFoundError, TypeError,
-                 NotImplementedError, MisconfigurationException)
+_PLAIN_ERRORS = (ValueError, RuntimeError, OSError, FileNotFoundError, FileExistsError, ImportError,
+                 ModuleNotFoundError, TypeError, NotImplementedError, MisconfigurationException)
 
 
 # (module option, data option) pairs the CLI links: one source of truth. The prompts are tokenized by the
@@ -79,6 +82,13 @@ class RLOOCLI(LightningCLI):
             at = [i for i, c in enumerate(trainer.callbacks) if isinstance(c, ProgressBar)]
             if len(at) == 1 and type(trainer.callbacks[at[0]]) in (RichProgressBar, TQDMProgressBar):
                 trainer.callbacks[at[0]] = StepProgressBar()
+        output_file = self.model.cfg.predict.output_file if isinstance(self.model, RLOOModule) else None
+        if self.subcommand == "predict" and (output_file or trainer.world_size == 1):
+            # An existing predictions file (any rank's: ranks are not numbered yet): refused now, before the log
+            # folder or the model. PredictionWriter's setup checks again on every rank, where with several
+            # processes the default file's folder is known.
+            where = _set_where(getattr(self, "_argv", []), "model.predict.output_file", self.subcommand)
+            PredictionWriter(output_file).check(trainer, option=where, every_rank=True)
         return trainer
 
     def parse_arguments(self, parser, args) -> None:
@@ -95,13 +105,30 @@ class RLOOCLI(LightningCLI):
                 local = local_checkpoint_path(ckpt)  # None: Lightning's "last" / "best" / "hpc" / "registry" / a URL
                 if local is not None:
                     _set_checkpoint_defaults(self._subcommand_parsers[subcommand], *checkpoint_hparams(local))
-        super().parse_arguments(parser, args)
+        self._argv = [str(a) for a in argv] if isinstance(argv, list) else []  # errors say where an option was set
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as exc:  # an unknown option: named with where it was given and the closest valid one
+            subcommand = _subcommand_of(self._argv)
+            subparser = getattr(self, "_subcommand_parsers", {}).get(subcommand)
+            better = _unknown_option_message(_message(exc), self._argv, subparser or parser, subcommand)
+            if better is None:
+                raise
+            raise ArgumentError(None, better) from exc
 
     def before_instantiate_classes(self) -> None:
-        """``ckpt_path`` given in a config file: checked as the command line's is, before the model is built."""
+        """``ckpt_path`` given in a config file: checked as the command line's is, before the model is built; so is
+        the optimizer's learning rate (``fit``), named as the user set it."""
         ckpt = self._get(self.config, "ckpt_path")
         if ckpt is not None and ckpt != getattr(self, "_checked_ckpt_path", None):
             check_checkpoint_path(ckpt)
+        if self.subcommand == "fit":  # the only command that builds the optimizer
+            for key in ("model.optimizer", "optimizer"):  # the module's, or LightningCLI's own --optimizer
+                init_args = getattr(self._get(self.config, key), "init_args", None)
+                if init_args is not None and "lr" in init_args:
+                    where = _set_where(getattr(self, "_argv", []), f"{key}.init_args.lr", self.subcommand,
+                                       aliases=(f"{key}.lr",))
+                    check_learning_rate(init_args["lr"], where)
 
     def _parse_ckpt_path(self) -> None:
         """Done in :meth:`parse_arguments`, as defaults (see there)."""
@@ -194,6 +221,130 @@ def _option_value(argv: list[str], name: str) -> str | None:
     return value if value not in (None, "null", "None") else None
 
 
+def _message(exc: BaseException) -> str:
+    return str(getattr(exc, "message", None) or exc)
+
+
+_UNKNOWN = (re.compile(r"Subcommand '[^']+' does not accept option '([^']+)'"),
+            re.compile(r"Group '([^']+)' does not accept option '([^']+)'"),
+            re.compile(r"Option '([^']+)' is not accepted"))
+_CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def _unknown_option_message(message: str, argv: list[str], parser, subcommand: str | None) -> str | None:
+    """The one line for the parser's ``message`` when it is about an unknown option (else None): the option as
+    given, the config file that has it, and the closest valid option at the level of the first unknown name.
+
+    ``unrecognized arguments: --model.samplng.k 4`` (a command-line option) becomes ``unknown option
+    --model.samplng.k; did you mean --model.sampling.k?``; ``Subcommand 'fit' does not accept option
+    'model.samplng.k'`` (a key of a ``--config`` file) becomes ``unknown option model.samplng in my.yaml; did you
+    mean model.sampling?``.
+    """
+    valid = {a.dest for a in parser._actions
+             if isinstance(a.dest, str) and a.dest.rsplit(".", 1)[-1] not in ("help", "print_config")}
+    if message.startswith("unrecognized arguments:"):
+        typed = next((t for t in message.split(":", 1)[1].split() if t.startswith("--") and len(t) > 2), None)
+        if typed is None:
+            return None
+        key = typed[2:].split("=", 1)[0]
+        _, level_fix, full_fix = _closest_key(key, valid)
+        fix = full_fix or level_fix
+        return f"unknown option --{key}" + (f"; did you mean --{fix}?" if fix else "")
+    choice = re.match(r"argument subcommand: invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+    if choice:  # a misspelt subcommand
+        close = difflib.get_close_matches(choice[1], re.findall(r"'([^']*)'", choice[2]), n=1)
+        return f"{message}; did you mean {close[0]}?" if close else None
+    match = next((m for m in (pattern.match(message) for pattern in _UNKNOWN) if m), None)  # not one nested deeper
+    if match is None:
+        return None
+    key = ".".join(match.groups())
+    if key in valid:  # a known option in the wrong place (before the subcommand): the parser's message says so
+        return None
+    bad, level_fix, full_fix = _closest_key(key, valid)
+    files = _config_files_with(argv, bad.split("."), subcommand)
+    if files:
+        where = f" in {files[0]}"
+        fix = level_fix
+    else:
+        bad, where, fix = key, "", full_fix or level_fix
+    return f"unknown option {bad}{where}" + (f"; did you mean {fix}?" if fix else "")
+
+
+def _closest_key(key: str, valid: set[str]) -> tuple[str, str | None, str | None]:
+    """``key`` up to its first name that is no option (``model.samplng`` of ``model.samplng.k``), that name
+    replaced by the closest valid name at its level (``model.sampling``, or None), and the whole key so mended
+    when it is valid (``model.sampling.k``, else None)."""
+    parts = key.split(".")
+    nodes = {".".join(k.split(".")[:i]) for k in valid for i in range(1, k.count(".") + 2)}
+    i = next((i for i in range(len(parts)) if ".".join(parts[:i + 1]) not in nodes), len(parts) - 1)
+    level = ".".join(parts[:i])
+    names = sorted({n.split(".")[i] for n in nodes if n.count(".") == i and n.startswith(level + "." if i else "")})
+    bad = ".".join(parts[:i + 1])
+    close = difflib.get_close_matches(parts[i], names, n=1)
+    if not close or close[0] == parts[i]:
+        return bad, None, None
+    level_fix = ".".join([*parts[:i], close[0]])
+    full = ".".join([*parts[:i], close[0], *parts[i + 1:]])
+    return bad, level_fix, full if full in nodes else None
+
+
+def _config_files_with(argv: list[str], parts: list[str], subcommand: str | None) -> list[str]:
+    """The config files given in ``argv`` (``--config my.yaml``, or a group's ``--model model.yaml``), as given,
+    that set the key ``parts`` (nested, dotted, or under the subcommand's name)."""
+    found = (_config_file_setting(argv, i, parts, subcommand) for i in range(len(argv)))
+    return [path for path in found if path is not None]
+
+
+def _config_file_setting(argv: list[str], i: int, parts: list[str], subcommand: str | None) -> str | None:
+    """The config file that ``argv[i]`` gives (``--config my.yaml``, ``-c my.yaml``, ``--model model.yaml``) when it
+    sets the key ``parts``, else None."""
+    import yaml
+
+    arg = argv[i]
+    if arg == "-c" or arg.startswith("-c="):
+        arg = "--config" + arg[2:]
+    if not arg.startswith("--"):
+        return None
+    name, eq, value = arg[2:].partition("=")
+    value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    root = [] if name == "config" else name.split(".")
+    if root != parts[:len(root)] or len(root) >= len(parts) or not value.endswith(_CONFIG_SUFFIXES):
+        return None
+    try:
+        data = yaml.safe_load(Path(value).read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return None
+    rest = parts[len(root):]
+    under = data.get(subcommand) if isinstance(data, dict) and subcommand and not root else None
+    return value if _has_key(data, rest) or _has_key(under, rest) else None
+
+
+def _set_where(argv: list[str], key: str, subcommand: str | None, aliases: tuple[str, ...] = ()) -> str:
+    """How ``argv`` last set the option ``key``: ``--<key>`` (or an alias) on the command line, ``<key> in
+    <file>`` in a config file, or ``key`` itself when neither says (a default, a value given inline)."""
+    where, parts = key, key.split(".")
+    for i, arg in enumerate(argv):
+        name = arg[2:].split("=", 1)[0] if arg.startswith("--") else None
+        path = _config_file_setting(argv, i, parts, subcommand)
+        if name in (key, *aliases):
+            where = f"--{name}"
+        elif path is not None:
+            where = f"{key} in {path}"
+        elif name and name.split(".") == parts[:name.count(".") + 1] and name != key:
+            where = key  # a group given whole (--model.optimizer '{...}'): the key names it
+    return where
+
+
+def _has_key(data, parts: list[str]) -> bool:
+    """Whether the nested mapping ``data`` sets ``parts``, each level's key whole or dotted (``sampling.k``)."""
+    if not parts:
+        return True
+    if not isinstance(data, dict):
+        return False
+    return any(".".join(parts[:i]) in data and _has_key(data[".".join(parts[:i])], parts[i:])
+               for i in range(1, len(parts) + 1))
+
+
 def _set_checkpoint_defaults(parser, model: dict, data: dict) -> None:
     """Each module and data option stored in the checkpoint becomes the parser's default for ``model.<name>``
     or ``data.<name>`` (the data's linked options follow the model's)."""
@@ -243,6 +394,7 @@ def main(args: list[str] | None = None) -> None:
         lines = "\n".join(f"  model.{name} -> model.{RENAMED[name]}" for name in renamed)
         sys.exit(f"error: RLOOModule's options are grouped now; rename:\n{lines}")
     _quiet_third_party()
+    console.install()  # warnings as `warning: <message>` lines; nothing glued to a progress bar
     stop.install()  # from here a SIGTERM ends the run promptly at any point, keeping what there is to keep
     try:
         _run_reporting_errors(args)
@@ -289,7 +441,10 @@ def _run(args: list[str] | None) -> None:
         # that its folder changed is true and harmless there (nothing is saved).
         warnings.filterwarnings("ignore", message="The dirpath has changed from")
     # exit_on_error=False: a parse error raises (main prints it as one line) instead of printing the usage.
-    parser_kwargs = {"exit_on_error": False, **{name: {"exit_on_error": False} for name in LightningCLI.subcommands()}}
+    # allow_abbrev=False: a misspelt option is an error, never another option's prefix (--trainer.max_step).
+    strict = {"exit_on_error": False, "allow_abbrev": False}
+    parser_kwargs = {**strict, **{name: dict(strict) for name in LightningCLI.subcommands()}}
     # seed_everything 0 unless configured: what Lightning falls back to anyway, without its "No seed found" warning.
-    RLOOCLI(RLOOModule, PromptDataModule, save_config_kwargs={"overwrite": True}, parser_kwargs=parser_kwargs,
-            seed_everything_default=0, args=args)
+    cli = RLOOCLI(RLOOModule, PromptDataModule, save_config_kwargs={"overwrite": True}, parser_kwargs=parser_kwargs,
+                  seed_everything_default=0, args=args)
+    console.report_outputs(cli.trainer, cli.subcommand)  # one line: where the checkpoint, logs, predictions went

@@ -31,6 +31,7 @@ __all__ = [
     "GROUPS",
     "Options",
     "check_options",
+    "check_learning_rate",
     "RENAMED",
     "as_group",
     "to_primitives",
@@ -659,6 +660,15 @@ def check_options(c: Options) -> None:
     if c.kl.ref_sync_steps and (c.kl.beta == 0 or c.policy.lora):
         raise ValueError("kl.ref_sync_steps needs a reference of its own: kl.beta > 0 and no policy.lora (under "
                          "LoRA the reference is the frozen base, which cannot move)")
+
+
+def check_learning_rate(lr: Any, option: str) -> None:
+    """A learning rate must be a finite number > 0; the error names ``option``, as the user set it
+    (``model.optimizer.init_args.lr in my.yaml``). A value that is no plain number (a tensor) is left alone."""
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+        return
+    if not math.isfinite(lr) or lr <= 0:
+        raise ValueError(f"{option} must be a finite number > 0, got {lr}")
 
 
 def renamed_error(names: list[str], where: str = "model.") -> ValueError:

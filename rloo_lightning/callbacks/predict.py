@@ -54,7 +54,7 @@ class PredictionWriter(BasePredictionWriter):
     Args:
         output_file: the file to write (default ``<trainer.log_dir>/predictions.jsonl``). With several
             processes, rank N writes ``<stem>.rank<N>.jsonl`` beside it. An existing file is an error,
-            raised before any prompt is sampled: nothing already written is replaced.
+            raised at ``setup``, before the model is loaded: nothing already written is replaced.
     """
 
     def __init__(self, output_file: str | None = None) -> None:
@@ -63,19 +63,33 @@ class PredictionWriter(BasePredictionWriter):
         self.path: Path | None = None
         self._handle = None
 
-    def _path(self, trainer: Trainer) -> Path:
+    def _path(self, trainer: Trainer, rank: int | None = None) -> Path:
         path = Path(self.output_file) if self.output_file else Path(
             trainer.log_dir or trainer.default_root_dir) / "predictions.jsonl"
         if trainer.world_size > 1:
-            path = path.with_name(f"{path.stem}.rank{trainer.global_rank}{path.suffix}")
+            path = path.with_name(f"{path.stem}.rank{trainer.global_rank if rank is None else rank}{path.suffix}")
         return path
 
+    def check(self, trainer: Trainer, option: str = "model.predict.output_file", every_rank: bool = False) -> Path:
+        """The file this rank will write; an error naming ``option`` (as the user set it) and the file when it
+        exists already (``every_rank``: when any rank's file exists). Touches nothing on disk."""
+        for rank in range(trainer.world_size) if every_rank else [None]:
+            path = self._path(trainer, rank)
+            if path.exists() and self.output_file:
+                raise FileExistsError(f"{option}: {path} exists; remove it or choose another file")
+            if path.exists():
+                raise FileExistsError(f"the predictions file {path} exists (the default, in the log folder); "
+                                      f"remove it or set {option} to another file")
+        return self._path(trainer)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if getattr(stage, "value", stage) == "predict":
+            self.check(trainer)  # before the model is loaded: Lightning calls configure_model after setup
+
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.path = self._path(trainer)
-        if self.path.exists():
-            raise FileExistsError(f"predict.output_file {self.path} exists; remove it or choose another file")
+        self.path = self.check(trainer)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._handle = open(self.path, "w")
+        self._handle = open(self.path, "x")  # "x": never replaces a file that appeared since the check
         self._written = 0
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx,
@@ -95,5 +109,4 @@ class PredictionWriter(BasePredictionWriter):
 
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._handle.close()
-        self._handle = None
-        rank_zero_info(f"predictions written to {self.path}")
+        self._handle = None  # the command's last line names the file (rloo_lightning.console.outputs_line)
