@@ -178,8 +178,9 @@ class RLOOModule(LightningModule):
         if self.episodes is not None and datamodule is not None:
             self.episodes.check_data(datamodule)
         if self.rewards is not None and stage != "predict":
+            added = list(self.episodes.columns) if self.episodes is not None else []  # a multi-turn rollout's
             for source, names in getattr(datamodule, "columns", lambda stage: [])(stage):
-                self.rewards.check_columns(names, source)  # the data's own columns, before the model loads
+                self.rewards.check_columns([*names, *added], source)  # the data's own columns, before the model loads
 
     # -- models --------------------------------------------------------------------------------
     def configure_model(self) -> None:

@@ -527,6 +527,8 @@ class EpisodeSampler:
     logger.
     """
 
+    columns = ("transcript",)  # what a multi-turn rollout adds to the data's columns for the reward functions
+
     def __init__(self, args) -> None:
         from rloo_lightning.config import parse_on_error
 
@@ -576,7 +578,7 @@ class EpisodeSampler:
         rows = batch.get("row_index")
         rows = rows.tolist() if isinstance(rows, Tensor) else list(rows) if rows is not None else list(range(n))
         columns = batch["columns"]
-        if "transcript" in columns:
+        if "transcript" in columns:  # self.columns
             raise ValueError("the data set has a column 'transcript', which multi-turn rollouts fill with each "
                              "episode's messages: rename the column")
         eos = generation_config.eos_token_id

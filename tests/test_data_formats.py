@@ -411,6 +411,10 @@ def test_a_prompt_more_than_half_unknown_is_refused_naming_the_file_and_line(tin
     with pytest.raises(ValueError, match=r"t\.jsonl line 6: 12 of the prompt's 12 tokens are the unknown token "
                                          r"'<unk>': the tokenizer of .* cannot read it"):
         dm.setup("fit")
+    kept = _dm(tiny_model_dir, path, val_file=path, on_unreadable_prompt="keep")
+    with pytest.warns(UserWarning, match="are the unknown token"):  # the split's share is still reported
+        kept.setup("fit")
+    assert kept.val_rows[5]["prompt"] == "Какой ответ?"
 
 
 def test_a_split_with_more_than_1_percent_unknown_tokens_warns_on_every_start(tiny_model_dir, tmp_path):

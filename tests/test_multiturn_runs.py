@@ -30,7 +30,8 @@ NOISY = ["--model.rewards.funcs", "[]", "--model.environment.class_path", "multi
 TOOLS = ["--model.rewards.funcs", "[tool_helpers.successful_calls]",
          "--model.environment.class_path", "multiturn_helpers.NoisyTools",
          "--model.environment.init_args", json.dumps({"tools": ["rloo_lightning.environments.tools.calculator"]}),
-         "--model.sampling.max_new_tokens", "8", "--trainer.limit_val_batches", "0"]
+         "--model.sampling.max_new_tokens", "8", "--trainer.limit_val_batches", "0",
+         "--data.on_unreadable_prompt", "keep"]  # the tool caller reads every prompt as <unk> (tool_helpers)
 
 
 def _args(root: Path, model: str, steps: int, *extra: str, config: str = "quickstart.yaml", env=NOISY) -> list[str]:

@@ -51,7 +51,7 @@ class PromptEncoder:
     def __init__(self, tokenizer, tokenizer_name: str, prompt_column: str, use_chat_template, system_prompt,
                  on_long_prompt: str, max_prompt_length: int | None, max_new_tokens: int,
                  max_prompt_tokens: int | None, context: int | None, tools: list[dict] | None = None,
-                 extra_roles: list[str] | None = None) -> None:
+                 extra_roles: list[str] | None = None, on_unreadable_prompt: str = "error") -> None:
         self.tokenizer = tokenizer
         self.tokenizer_name = tokenizer_name
         self.prompt_column = prompt_column
@@ -66,6 +66,7 @@ class PromptEncoder:
         self.roles = (*CHAT_ROLES, *(extra_roles or ()))
         self.extra_roles = list(extra_roles or ())
         self.unknown_id = getattr(tokenizer, "unk_token_id", None)
+        self.on_unreadable_prompt = on_unreadable_prompt
         self.counts = {"tokens": 0, "unknown": 0}  # of the prompts encoded (reset by the cache per split)
         self._fingerprint: str | None = None
 
@@ -80,7 +81,8 @@ class PromptEncoder:
                 "on_long_prompt": self.on_long_prompt, **({"tools": self.tools} if self.tools else {}),
                 # the checks a row passed when the entry was built (roles, unknown tokens): rows accepted under
                 # other ones are checked again
-                "checks": {"version": 1, "extra_roles": self.extra_roles}}
+                "checks": {"version": 1, "extra_roles": self.extra_roles,
+                           "on_unreadable_prompt": self.on_unreadable_prompt}}
 
     def format_prompt(self, prompt, where: str) -> tuple[str, bool]:
         """The text fed to the model for ``prompt`` and whether it went through the chat template."""
@@ -165,11 +167,12 @@ class PromptEncoder:
         unknown = ids.count(self.unknown_id) if self.unknown_id is not None else 0
         self.counts["tokens"] += len(ids)
         self.counts["unknown"] += unknown
-        if ids and unknown > UNKNOWN_REFUSED * len(ids):
+        if ids and unknown > UNKNOWN_REFUSED * len(ids) and self.on_unreadable_prompt == "error":
             token = getattr(self.tokenizer, "unk_token", None)
             raise ValueError(f"{where}: {unknown} of the prompt's {len(ids)} tokens are the unknown token {token!r}: "
                              f"the tokenizer of {self.tokenizer_name!r} cannot read it (characters outside its "
-                             "vocabulary, or text meant for another model's tokenizer)")
+                             "vocabulary, or text meant for another model's tokenizer); on_unreadable_prompt=keep "
+                             "trains on such prompts as they are")
 
     def _tokenize(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         """Token ids of ``texts``. A fast tokenizer's own pipeline is called directly: the same ids as

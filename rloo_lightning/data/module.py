@@ -58,7 +58,8 @@ class PromptDataModule(LightningDataModule):
         train_split, val_split: splits to read from a dataset name.
         prompt_column: the column holding the prompt (string or messages list). A prompt more than half of whose
             tokens are the tokenizer's unknown token is refused (the model cannot read it), naming the file and
-            row; a split with more than 1 % unknown tokens gives a warning.
+            row, unless ``on_unreadable_prompt`` is ``keep``; a split with more than 1 % unknown tokens gives a
+            warning either way.
         extra_roles: chat roles a messages prompt may use besides ``system``, ``user``, ``assistant`` and
             ``tool`` (e.g. ``ipython`` for a template that knows it); any other role is refused, naming the row.
         use_chat_template: ``auto`` applies the tokenizer's chat template (with
@@ -122,6 +123,7 @@ class PromptDataModule(LightningDataModule):
         trust_remote_code: bool = False,
         cache_dir: str | None = None,
         extra_roles: list[str] | None = None,
+        on_unreadable_prompt: Literal["error", "keep"] = "error",
     ) -> None:
         super().__init__()
         # A train_file given over a config with a task (quickstart.yaml's): the file is what the user means.
@@ -133,6 +135,8 @@ class PromptDataModule(LightningDataModule):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if repeat_batches < 1:
             raise ValueError(f"repeat_batches must be >= 1, got {repeat_batches}")
+        if on_unreadable_prompt not in ("error", "keep"):
+            raise ValueError(f"on_unreadable_prompt must be 'error' or 'keep', got {on_unreadable_prompt!r}")
         if on_long_prompt not in ("error", "drop"):
             raise ValueError(f"on_long_prompt must be 'error' or 'drop', got {on_long_prompt!r}")
         if use_chat_template not in ("auto", True, False):
@@ -364,7 +368,7 @@ class PromptDataModule(LightningDataModule):
         self.encoder = PromptEncoder(self.tokenizer, hp.tokenizer_name_or_path, hp.prompt_column, hp.use_chat_template,
                                      hp.system_prompt, hp.on_long_prompt, hp.max_prompt_length, hp.max_new_tokens,
                                      self.max_prompt_tokens, self.context, tools=self.tool_schemas,
-                                     extra_roles=hp.extra_roles)
+                                     extra_roles=hp.extra_roles, on_unreadable_prompt=hp.on_unreadable_prompt)
 
     def columns(self, stage: str) -> list[tuple[str, list[str]]]:
         """The columns the reward functions get in ``stage`` (those of each scored split's first row), as
