@@ -1,0 +1,41 @@
+"""Every relative link and every script, config or test path named in the README and in docs/ resolves: a moved
+or deleted file breaks this test, not a reader's click."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")  # [text](target)
+FOLDERS = "scripts|configs|tests|docs|rloo_lightning|benchmarks|experiments"
+PATH = re.compile(rf"(?<![\w/.-])((?:{FOLDERS})/[\w./-]+\.(?:py|sh|sbatch|yaml|json|md|png|svg|csv|jsonl))\b")
+
+
+def _targets(page: Path) -> list[tuple[str, Path]]:
+    text = page.read_text()
+    found = []
+    for target in LINK.findall(text):
+        if re.match(r"^[a-z]+:", target) or target.startswith("#"):  # a URL, a mail, an anchor
+            continue
+        found.append((target, (page.parent / target.split("#")[0]).resolve()))
+    for path in PATH.findall(text):
+        found.append((path, REPO / path))
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(REPO)) for p in PAGES])
+def test_every_link_and_named_path_resolves(page):
+    missing = sorted({name for name, path in _targets(page) if not path.exists()})
+    assert not missing, f"{page.relative_to(REPO)} names files that do not exist: {missing}"
+
+
+def test_a_broken_link_and_a_missing_script_are_caught(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("See [the report](gone.md#top), [the site](https://example.org), `scripts/gone.py`, "
+                    "[here](#anchor) and `configs/quickstart.yaml`.")
+    found = {name: path.exists() for name, path in _targets(page)}
+    assert found == {"gone.md#top": False, "scripts/gone.py": False, "configs/quickstart.yaml": True}
