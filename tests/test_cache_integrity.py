@@ -15,22 +15,13 @@ import warnings
 from pathlib import Path
 
 import pytest
+from test_prompt_cache import _rows, _write_jsonl
 
 from rloo_lightning.data import PromptDataModule, PromptRows
 from rloo_lightning.data.cache import CHECKSUM, PromptCacheError, PromptCacheWarning
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def _write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-def _rows(n):
-    letters = "abcdefgh"
-    return [{"prompt": letters[i % 8] + letters[(i // 8) % 8] + letters[(i // 64) % 8] + "=", "id": i}
-            for i in range(n)]
 
 
 def _dm(tok_dir, cache, data, **kw):

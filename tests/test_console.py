@@ -193,9 +193,15 @@ def _trainer(tmp_path, bar, **kwargs):
     return Trainer(**{**options, **kwargs})
 
 
-def test_plain_lines_in_a_real_fit_and_test(tmp_path):
-    bar = StepProgressBar(interval=0)
+def _recording_bar(interval: float) -> StepProgressBar:
+    """A plain-line bar that writes to a string and reads a fake clock."""
+    bar = StepProgressBar(interval=interval)
     bar.stream, bar.clock = io.StringIO(), FakeClock()
+    return bar
+
+
+def test_plain_lines_in_a_real_fit_and_test(tmp_path):
+    bar = _recording_bar(0)
     trainer = _trainer(tmp_path, bar)
     trainer.fit(_ValBoring())
     trainer.test(_ValBoring(), verbose=False)
@@ -220,8 +226,7 @@ def test_plain_lines_in_a_real_fit_and_test(tmp_path):
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_plain_training_lines_count_optimizer_steps_once_each(tmp_path, accumulate):
-    bar = StepProgressBar(interval=0)
-    bar.stream, bar.clock = io.StringIO(), FakeClock()
+    bar = _recording_bar(0)
     _trainer(tmp_path, bar, max_steps=3, accumulate_grad_batches=accumulate, limit_val_batches=0,
              num_sanity_val_steps=0).fit(_ValBoring())
     assert [line.split(" | ")[0] for line in _lines(bar.stream)] == ["train step 1/3", "train step 2/3",
@@ -256,8 +261,7 @@ def _fake_trainer(callback):
 
 
 def test_evaluation_progress_shows_on_the_step_bar_and_its_last_line_has_the_metrics():
-    bar = StepProgressBar(interval=0)
-    bar.stream, bar.clock = io.StringIO(), FakeClock()
+    bar = _recording_bar(0)
     progress = EvaluationProgress(_fake_trainer(bar), "validation (before training)", 2)
     progress.advance()
     progress.advance()
@@ -281,8 +285,7 @@ def test_evaluation_progress_without_the_step_bar_shows_nothing():
 
 
 def test_an_exception_ends_the_bars_without_a_last_line():
-    bar = StepProgressBar(interval=1000)
-    bar.stream, bar.clock = io.StringIO(), FakeClock()
+    bar = _recording_bar(1000)
     progress = EvaluationProgress(_fake_trainer(bar), "validation (before training)", 5)
     progress.advance()
     progress.advance()
