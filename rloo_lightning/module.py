@@ -15,7 +15,7 @@ from rloo_lightning import sharding
 from rloo_lightning import stop
 from rloo_lightning.advantages import AdvantageEstimator
 from rloo_lightning.callbacks.base import RolloutHook, ValidateAtStart
-from rloo_lightning.callbacks.checkpoint import FinalCheckpoint, start_next_epoch
+from rloo_lightning.callbacks.checkpoint import FinalCheckpoint, ended_optimizer_step, start_next_epoch
 from rloo_lightning.callbacks.predict import PredictionWriter, prediction_rows
 from rloo_lightning.config import (
     AdvantageArgs, CorrectionArgs, DynamicSamplingArgs, EnvironmentArgs, KLArgs, PolicyArgs, PredictArgs, RewardArgs,
@@ -526,9 +526,7 @@ class RLOOModule(LightningModule):
             mix_into_reference(self.reference.parameters(), policy, kl.ref_sync_alpha)
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        trainer = self._trainer
-        stepped = trainer is None or (batch_idx + 1) % trainer.accumulate_grad_batches == 0 \
-            or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        stepped = self._trainer is None or ended_optimizer_step(self._trainer, batch_idx)
         if stepped:  # an optimizer step happened: an engine with its own copy resyncs
             self.engine.on_weights_updated(self.policy)
         # Lightning stops at this batch's end on a SIGTERM: decided by every rank together; between two

@@ -121,8 +121,7 @@ class FinalCheckpoint(Callback):
             self._keep_boundary(trainer, pl_module, "epoch")  # so did the end of the epoch
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or trainer.fit_loop.epoch_loop.batch_progress \
-                .is_last_batch:  # an optimizer step ended with this batch
+        if ended_optimizer_step(trainer, batch_idx):
             self._keep_boundary(trainer, pl_module, "batch")
         step = trainer.global_step
         if (
@@ -230,6 +229,13 @@ class FinalCheckpoint(Callback):
         if collective:
             trainer.strategy.barrier("FinalCheckpoint.refresh")
         self._saved_step = trainer.global_step
+
+
+def ended_optimizer_step(trainer: Trainer, batch_idx: int) -> bool:
+    """Whether an optimizer step ended with training batch ``batch_idx`` (every ``accumulate_grad_batches``
+    batches, and at an epoch's last batch); for ``on_train_batch_end``."""
+    return (batch_idx + 1) % trainer.accumulate_grad_batches == 0 \
+        or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
 
 
 def start_next_epoch(loops: dict | None) -> None:

@@ -206,9 +206,13 @@ class PromptDataModule(LightningDataModule):
         if self._kept_val_rows is not None:
             return f"the {self._kept_val_rows} the resumed run started with"
         if self.hparams.val_size is None:
-            capped = round(DEFAULT_VAL_SIZE * n) > DEFAULT_VAL_CAP
-            return f"val_size={DEFAULT_VAL_SIZE}" + (f" capped at {DEFAULT_VAL_CAP}" if capped else "")
+            return f"val_size={DEFAULT_VAL_SIZE}" + (f" capped at {DEFAULT_VAL_CAP}" if self._capped(n) else "")
         return f"val_size={self.hparams.val_size}"
+
+    def _capped(self, n: int) -> bool:
+        """The default hold-out (no ``val_size``, not a resumed split) of ``n`` rows hits ``DEFAULT_VAL_CAP``."""
+        return self.hparams.val_size is None and self._kept_val_rows is None \
+            and round(DEFAULT_VAL_SIZE * n) > DEFAULT_VAL_CAP
 
     # -- the split a run started with, kept on resume -------------------------------------------
     def state_dict(self) -> dict:
@@ -421,7 +425,7 @@ class PromptDataModule(LightningDataModule):
             self._split_origin = (f"from {hp.train_file}", f"held out of the {n} rows of {hp.train_file} "
                                                            f"({self._hold_out_text(n)})")
             source = hp.train_file
-            if hp.val_size is None and self._kept_val_rows is None and round(DEFAULT_VAL_SIZE * n) > DEFAULT_VAL_CAP:
+            if self._capped(n):
                 rank_zero_info(f"PromptDataModule: validation holds out {DEFAULT_VAL_CAP} of the {n} rows of "
                                f"{hp.train_file} (10 % capped at {DEFAULT_VAL_CAP} when val_size is not given); set "
                                "data.val_size to choose (a fraction < 1 or a count >= 1)")
