@@ -144,6 +144,11 @@ def _world_size() -> int:
     return getattr(_state["trainer"], "world_size", 1) or 1
 
 
+def _key() -> str:
+    """The store key of this run's signal (a signal of an earlier run in this process group is another key)."""
+    return f"{_KEY}/{_state['runs']}"
+
+
 def _store():
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
@@ -163,7 +168,7 @@ def _peer_signalled() -> bool:
     _state["polled"] = now
     store = _store()
     try:
-        seen = store is not None and store.check([f"{_KEY}/{_state['runs']}"])
+        seen = store is not None and store.check([_key()])
     except (RuntimeError, ValueError):
         return False
     if seen:
@@ -179,7 +184,7 @@ def _handler(signum, frame) -> None:
         _forward(signum)
         if _world_size() > 1 and (store := _store()) is not None:
             try:
-                store.set(f"{_KEY}/{_state['runs']}", "1")  # the ranks that were not signalled learn of it
+                store.set(_key(), "1")  # the ranks that were not signalled learn of it
             except (RuntimeError, ValueError):
                 pass
     if _world_size() == 1 and getattr(trainer, "_signal_connector", None) is not None:
