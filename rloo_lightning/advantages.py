@@ -28,12 +28,6 @@ __all__ = [
 ]
 
 
-BaselineName = Literal["leave_one_out", "none", "moving_average", "group_mean_std", "group_mean"]
-
-
-BASELINES: tuple[str, ...] = ("leave_one_out", "none", "moving_average", "group_mean_std", "group_mean")
-
-
 def _grouped(rewards: Tensor, k: int, name: str, min_k: int = 1) -> Tensor:
     """``[N*k]`` -> ``[N, k]`` view, with the shape and ``k`` checked."""
     if k < min_k:
@@ -204,6 +198,35 @@ class MovingAverageBaseline:
         self.num_updates = int(state["num_updates"])
 
 
+def _no_baseline(rewards: Tensor, k: int, **_) -> Tensor:
+    """Vanilla REINFORCE (the paper's "vanilla PG"): ``A = R``; ``[N*k]`` -> ``[N*k]``, missing -> 0."""
+    _grouped(rewards, k, "baseline 'none'")
+    return torch.where(torch.isnan(rewards), torch.zeros_like(rewards), rewards)
+
+
+def _moving_average(rewards: Tensor, k: int, *, moving_average: MovingAverageBaseline | None = None,
+                    batch_mean: float | Tensor | None = None, **_) -> Tensor:
+    """``R - b`` with ``b`` from earlier batches (the paper's "REINFORCE w/ baseline"); ``[N*k]`` -> ``[N*k]``."""
+    _grouped(rewards, k, "baseline 'moving_average'")
+    if moving_average is None:
+        raise ValueError("baseline 'moving_average' needs a MovingAverageBaseline passed as moving_average=")
+    return moving_average.advantages(rewards, batch_mean)
+
+
+# The baselines by option name (``advantage.baseline``): ``(rewards [N*k], k, *, eps, moving_average, batch_mean)``
+# -> advantages ``[N*k]``. The option's allowed values are this table's keys (``BaselineName``).
+BASELINES: dict[str, Callable[..., Tensor]] = {
+    "leave_one_out": lambda rewards, k, **_: leave_one_out_advantages(rewards, k),
+    "none": _no_baseline,
+    "moving_average": _moving_average,
+    "group_mean_std": lambda rewards, k, *, eps=1e-4, **_: group_mean_std_advantages(rewards, k, eps),
+    "group_mean": lambda rewards, k, **_: group_mean_advantages(rewards, k),
+}
+
+
+BaselineName = Literal[tuple(BASELINES)]  # type: ignore[valid-type]  # the option's type, from the table
+
+
 def baseline_advantages(
     rewards: Tensor,
     k: int,
@@ -213,7 +236,7 @@ def baseline_advantages(
     moving_average: MovingAverageBaseline | None = None,
     batch_mean: float | Tensor | None = None,
 ) -> Tensor:
-    """Advantages under the chosen baseline; ``NaN`` rewards (missing) get advantage 0 in every one.
+    """Advantages under the chosen baseline (a name of ``BASELINES``); ``NaN`` rewards (missing) get 0 in every one.
 
     - ``leave_one_out`` (default; paper Eq. 4): ``leave_one_out_advantages``;
     - ``none`` (vanilla REINFORCE, the paper's "vanilla PG"): ``A = R``;
@@ -230,18 +253,7 @@ def baseline_advantages(
     """
     if baseline not in BASELINES:
         raise ValueError(f"baseline must be one of {', '.join(map(repr, BASELINES))}; got {baseline!r}")
-    if baseline == "leave_one_out":
-        return leave_one_out_advantages(rewards, k)
-    if baseline == "group_mean_std":
-        return group_mean_std_advantages(rewards, k, eps)
-    if baseline == "group_mean":
-        return group_mean_advantages(rewards, k)
-    _grouped(rewards, k, f"baseline {baseline!r}")
-    if baseline == "none":
-        return torch.where(torch.isnan(rewards), torch.zeros_like(rewards), rewards)
-    if moving_average is None:
-        raise ValueError("baseline 'moving_average' needs a MovingAverageBaseline passed as moving_average=")
-    return moving_average.advantages(rewards, batch_mean)
+    return BASELINES[baseline](rewards, k, eps=eps, moving_average=moving_average, batch_mean=batch_mean)
 
 
 def whiten(values: Tensor, mask: Tensor | None = None, shift_mean: bool = True, eps: float = 1e-4,

@@ -11,9 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
+
+from rloo_lightning.advantages import BaselineName
+from rloo_lightning.kl import KLEstimator, KLPlacement
+from rloo_lightning.losses import AggregationMode, ClipMode
 
 __all__ = [
     "RewardArgs",
@@ -28,20 +35,42 @@ __all__ = [
     "PolicyArgs",
     "PredictArgs",
     "EnvironmentArgs",
+    "RunArgs",
     "GROUPS",
     "Options",
     "check_options",
     "check_learning_rate",
-    "RENAMED",
     "as_group",
     "to_primitives",
     "parse_on_error",
 ]
 
 
-def _one_of(option: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"{option} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+@functools.cache
+def _choices(cls: type) -> dict[str, tuple]:
+    """The fields of a group typed ``Literal[...]`` (optionally ``| None``) and their allowed values.
+
+    The type is the one spelling of an option's names: those of a registry (``advantages.BASELINES``,
+    ``kl.KL_ESTIMATORS``, ``losses.AGGREGATION_MODES``) are built from its keys."""
+    hints = typing.get_type_hints(cls)
+    found = {}
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        options = [hint] + list(typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType)
+                                else [])
+        literal = [a for a in options if typing.get_origin(a) is Literal]
+        if literal:
+            found[f.name] = typing.get_args(literal[0]) + ((None,) if type(None) in typing.get_args(hint) else ())
+    return found
+
+
+def _check_choices(group: Any) -> None:
+    """Every ``Literal`` field of ``group`` holds one of its values; the error names the option."""
+    for name, allowed in _choices(type(group)).items():
+        value = getattr(group, name)
+        if value not in allowed:
+            shown = ", ".join(map(repr, [a for a in allowed if a is not None]))
+            raise ValueError(f"{group.prefix}.{name} must be one of {shown}; got {value!r}")
 
 
 def _range(option: str, value: Any) -> tuple[float, float] | None:
@@ -211,8 +240,8 @@ class KLArgs:
 
     prefix: ClassVar[str] = "kl"
     beta: float = 0.05
-    estimator: Literal["k1", "k2", "k3"] = "k1"
-    placement: Literal["reward", "token_reward", "loss"] = "reward"
+    estimator: KLEstimator = "k1"
+    placement: KLPlacement = "reward"
     clamp: float | None = None
     ref_sync_steps: int = 0
     ref_sync_alpha: float = 0.6
@@ -220,8 +249,7 @@ class KLArgs:
     def __post_init__(self) -> None:
         if self.beta < 0:
             raise ValueError(f"kl.beta must be >= 0, got {self.beta}")
-        _one_of("kl.estimator", self.estimator, ("k1", "k2", "k3"))
-        _one_of("kl.placement", self.placement, ("reward", "token_reward", "loss"))
+        _check_choices(self)
         if self.clamp is not None and self.clamp <= 0:
             raise ValueError(f"kl.clamp must be > 0 or None, got {self.clamp}")
         if self.ref_sync_steps < 0 or not 0 < self.ref_sync_alpha <= 1:
@@ -248,15 +276,14 @@ class AdvantageArgs:
     """
 
     prefix: ClassVar[str] = "advantage"
-    baseline: Literal["leave_one_out", "none", "moving_average", "group_mean_std", "group_mean"] = "leave_one_out"
+    baseline: BaselineName = "leave_one_out"
     baseline_decay: float = 0.9
     normalize_rewards: bool = False
     whiten: bool = False
     clip: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
-        _one_of("advantage.baseline", self.baseline,
-                ("leave_one_out", "none", "moving_average", "group_mean_std", "group_mean"))
+        _check_choices(self)
         if not 0 <= self.baseline_decay < 1:
             raise ValueError(f"advantage.baseline_decay must be in [0, 1), got {self.baseline_decay}")
         _set(self, "clip", _range("advantage.clip", self.clip))
@@ -308,10 +335,10 @@ class UpdateArgs:
     """
 
     prefix: ClassVar[str] = "update"
-    loss_aggregation: Literal["seq_sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "seq_sum"
+    loss_aggregation: AggregationMode = "seq_sum"
     loss_norm_constant: float | None = None
     updates_per_rollout: int = 1
-    clip_mode: Literal["sequence", "token"] = "sequence"
+    clip_mode: ClipMode = "sequence"
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
     dual_clip: float | None = None
@@ -321,11 +348,7 @@ class UpdateArgs:
     on_nonfinite: Literal["stop", "skip"] = "stop"
 
     def __post_init__(self) -> None:
-        _one_of("update.loss_aggregation", self.loss_aggregation,
-                ("seq_sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"))
-        _one_of("update.clip_mode", self.clip_mode, ("sequence", "token"))
-        _one_of("update.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
-        _one_of("update.share_prompt", self.share_prompt, ("auto", "always", "never"))
+        _check_choices(self)
         if self.loss_norm_constant is not None and self.loss_norm_constant <= 0:
             raise ValueError(f"update.loss_norm_constant must be > 0 or None, got {self.loss_norm_constant}")
         if self.updates_per_rollout < 1:
@@ -374,8 +397,7 @@ class CorrectionArgs:
     lower: float | None = None
 
     def __post_init__(self) -> None:
-        _one_of("correction.level", self.level, ("none", "sequence", "token"))
-        _one_of("correction.mode", self.mode, ("truncate", "mask"))
+        _check_choices(self)
         if self.cap is not None and self.cap <= 0:
             raise ValueError(f"correction.cap must be > 0 or null, got {self.cap}")
         if self.lower is not None and not (0 <= self.lower < (self.cap if self.cap is not None else float("inf"))):
@@ -493,7 +515,7 @@ class PolicyArgs:
     lora_export: Literal["merged", "adapter"] = "merged"
 
     def __post_init__(self) -> None:
-        _one_of("policy.lora_export", self.lora_export, ("merged", "adapter"))
+        _check_choices(self)
         if self.lora is not None and (not isinstance(self.lora, dict) or not self.lora):
             raise ValueError(f"policy.lora must be a non-empty mapping of peft.LoraConfig arguments, got {self.lora!r}")
         if self.lora is not None and "task_type" in self.lora:
@@ -580,6 +602,26 @@ class EnvironmentArgs:
             raise ValueError(f"environment.reply_format must contain {{content}}, got {self.reply_format!r}")
 
 
+@dataclass(frozen=True)
+class RunArgs:
+    """What a fit writes besides the weights' progress.
+
+    Args:
+        checkpoint_every_n_steps: besides the end of fit (always), write ``last.ckpt`` every N optimizer steps;
+            0 = off.
+        time_phases: time the phases of each step (generation, reward, policy forward, reference) and write them
+            as ``time/<phase>`` to the loggers.
+    """
+
+    prefix: ClassVar[str] = "run"
+    checkpoint_every_n_steps: int = 0
+    time_phases: bool = False
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every_n_steps < 0:
+            raise ValueError(f"run.checkpoint_every_n_steps must be >= 0, got {self.checkpoint_every_n_steps}")
+
+
 GROUPS: dict[str, type] = {
     "rewards": RewardArgs,
     "sampling": SamplingArgs,
@@ -593,38 +635,8 @@ GROUPS: dict[str, type] = {
     "policy": PolicyArgs,
     "predict": PredictArgs,
     "environment": EnvironmentArgs,
+    "run": RunArgs,
 }
-
-# The flat options of earlier versions and where each one lives now.
-RENAMED: dict[str, str] = {
-    "reward_funcs": "rewards.funcs", "reward_weights": "rewards.weights", "reward_timeout": "rewards.timeout",
-    "reward_workers": "rewards.workers", "reward_on_error": "rewards.on_error",
-    "reward_chunk_size": "rewards.chunk_size",
-    "missing_eos_penalty": "shaping.missing_eos_penalty", "overlong_buffer": "shaping.overlong_buffer",
-    "overlong_factor": "shaping.overlong_factor", "reward_clip": "shaping.reward_clip",
-    "mask_truncated_completions": "shaping.mask_truncated_completions",
-    "k": "sampling.k", "max_new_tokens": "sampling.max_new_tokens", "temperature": "sampling.temperature",
-    "top_k": "sampling.top_k", "top_p": "sampling.top_p", "repetition_penalty": "sampling.repetition_penalty",
-    "seed": "sampling.seed", "eos_token_ids": "sampling.eos_token_ids", "stop_strings": "sampling.stop_strings",
-    "beta": "kl.beta", "kl_estimator": "kl.estimator", "kl_placement": "kl.placement", "kl_clamp": "kl.clamp",
-    "ref_sync_steps": "kl.ref_sync_steps", "ref_sync_alpha": "kl.ref_sync_alpha",
-    "baseline": "advantage.baseline", "baseline_decay": "advantage.baseline_decay",
-    "normalize_rewards": "advantage.normalize_rewards", "whiten_advantages": "advantage.whiten",
-    "advantage_clip": "advantage.clip",
-    "loss_aggregation": "update.loss_aggregation", "loss_norm_constant": "update.loss_norm_constant",
-    "updates_per_rollout": "update.updates_per_rollout", "clip_mode": "update.clip_mode",
-    "clip_eps_low": "update.clip_eps_low", "clip_eps_high": "update.clip_eps_high", "dual_clip": "update.dual_clip",
-    "micro_batch_size": "update.micro_batch_size", "warmup_ratio": "update.warmup_ratio",
-    "on_nonfinite": "update.on_nonfinite",
-    "dynamic_sampling_max_rounds": "dynamic_sampling.max_rounds", "dynamic_sampling_atol": "dynamic_sampling.atol",
-    "validate_at_start": "validation.at_start", "val_greedy": "validation.greedy",
-    "val_num_samples": "validation.num_samples", "val_pass_k": "validation.pass_k",
-    "success_threshold": "validation.success_threshold",
-    "gguf_file": "policy.gguf_file", "trust_remote_code": "policy.trust_remote_code",
-    "gradient_checkpointing": "policy.gradient_checkpointing", "disable_dropout": "policy.disable_dropout",
-    "lora": "policy.lora", "lora_export": "policy.lora_export",
-}
-
 
 class Options:
     """The module's option groups, read as ``module.cfg.kl.beta``."""
@@ -669,12 +681,6 @@ def check_learning_rate(lr: Any, option: str) -> None:
         return
     if not math.isfinite(lr) or lr <= 0:
         raise ValueError(f"{option} must be a finite number > 0, got {lr}")
-
-
-def renamed_error(names: list[str], where: str = "model.") -> ValueError:
-    """The error for options of the old flat form, naming the new nested ones."""
-    lines = [f"{where}{n} is now {where}{RENAMED[n]}" for n in names if n in RENAMED]
-    return ValueError("RLOOModule's options are grouped: " + "; ".join(lines))
 
 
 def as_group(cls: type, value: Any) -> Any:

@@ -7,7 +7,7 @@ term) are options. Pure: tensors in, tensors out. Shapes: ``B`` sequences, ``T``
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import torch
@@ -16,6 +16,7 @@ from torch import Tensor
 
 __all__ = [
     "KL_ESTIMATORS",
+    "KL_PLACEMENTS",
     "kl_per_token",
     "token_rewards_after_baseline",
     "reward_to_go",
@@ -24,10 +25,27 @@ __all__ = [
 ]
 
 
-KLEstimator = Literal["k1", "k2", "k3"]
+# Schulman, "Approximating KL divergence" (2020): each estimator of KL(pi || pi_ref) as a function of the
+# sampled token's log-ratio ``x = logp - ref_logp`` (any shape, elementwise). The option ``kl.estimator`` takes
+# these names (``KLEstimator``).
+KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
+    "k1": lambda x: x,
+    "k2": lambda x: 0.5 * x**2,
+    # r = pi_ref/pi = exp(-x); k3 = (r - 1) - log r, the Bregman form: >= 0, and E_pi[r - 1] = 0.
+    "k3": lambda x: torch.exp(-x) + x - 1.0,
+}
 
 
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+KLEstimator = Literal[tuple(KL_ESTIMATORS)]  # type: ignore[valid-type]  # the option's type, from the table
+
+
+# Where the KL enters (``kl.placement``): the paper's sequence reward before the baseline, OpenRLHF's per-token
+# reward after it, or a loss term (GRPO). Each place reads its own name: ``fold_kl`` (reward), the module's
+# step 5 (token_reward), ``PolicyLoss`` (loss).
+KL_PLACEMENTS: tuple[str, ...] = ("reward", "token_reward", "loss")
+
+
+KLPlacement = Literal[KL_PLACEMENTS]  # type: ignore[valid-type]
 
 
 def kl_per_token(
@@ -56,14 +74,7 @@ def kl_per_token(
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator must be one of {', '.join(map(repr, KL_ESTIMATORS))}; got {estimator!r}")
-    x = logp - ref_logp
-    if estimator == "k1":
-        kl = x
-    elif estimator == "k2":
-        kl = 0.5 * x**2
-    else:
-        # r = pi_ref/pi = exp(-x); k3 = (r - 1) - log r, the Bregman form: >= 0, and E_pi[r - 1] = 0.
-        kl = torch.exp(-x) + x - 1.0
+    kl = KL_ESTIMATORS[estimator](logp - ref_logp)
     if clamp is not None:
         kl = kl.clamp(min=-clamp, max=clamp)
     return kl
@@ -163,7 +174,7 @@ def fold_kl(
     beta: float | Tensor,
     estimator: KLEstimator = "k1",
     clamp: float | None = None,
-    placement: Literal["reward", "token_reward", "loss"] = "reward",
+    placement: KLPlacement = "reward",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The KL of each sampled completion, and the reward the baseline is taken of.
 

@@ -7,6 +7,7 @@ Pure: tensors in, tensors out. Shapes: ``B`` sequences, ``T`` completion length.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -24,10 +25,40 @@ __all__ = [
 ]
 
 
-AggregationMode = Literal["seq_sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+def _seq_sum(per_seq: Tensor, mask: Tensor, seqs, tokens, const) -> Tensor:
+    return per_seq.sum() / seqs
 
 
-AGGREGATION_MODES: tuple[str, ...] = ("seq_sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+def _token_mean(per_seq: Tensor, mask: Tensor, seqs, tokens, const) -> Tensor:
+    return per_seq.sum() / (mask.sum().clamp(min=1) if tokens is None else tokens)
+
+
+def _seq_mean_token_mean(per_seq: Tensor, mask: Tensor, seqs, tokens, const) -> Tensor:
+    return (per_seq / mask.sum(-1).clamp(min=1)).sum() / seqs
+
+
+def _seq_mean_token_sum_norm(per_seq: Tensor, mask: Tensor, seqs, tokens, const) -> Tensor:
+    const = mask.shape[-1] if const is None else const
+    if const <= 0:
+        raise ValueError(f"norm_constant must be > 0, got {const}")
+    return per_seq.sum() / (seqs * const)
+
+
+# The loss aggregations by option name (``update.loss_aggregation``; see :func:`aggregate_token_loss`):
+# ``(per-sequence sums [B], mask [B, T], S, N_tok or None, C or None)`` -> scalar.
+AGGREGATION_MODES: dict[str, Callable[..., Tensor]] = {
+    "seq_sum": _seq_sum,
+    "token_mean": _token_mean,
+    "seq_mean_token_mean": _seq_mean_token_mean,
+    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
+}
+
+
+AggregationMode = Literal[tuple(AGGREGATION_MODES)]  # type: ignore[valid-type]  # the option's type, from the table
+
+
+# ``update.clip_mode``: one importance ratio per completion (TRL) or per token (verl, OpenRLHF).
+ClipMode = Literal["sequence", "token"]
 
 
 def aggregate_token_loss(
@@ -72,17 +103,7 @@ def aggregate_token_loss(
                          f"and {tuple(mask.shape)}")
     seqs = per_token_loss.shape[0] if num_sequences is None else num_sequences
     per_seq = masked_sum(per_token_loss, mask)  # [B]
-    if mode == "seq_sum":
-        return per_seq.sum() / seqs
-    if mode == "token_mean":
-        tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
-        return per_seq.sum() / tokens
-    if mode == "seq_mean_token_mean":
-        return (per_seq / mask.sum(-1).clamp(min=1)).sum() / seqs
-    const = per_token_loss.shape[-1] if norm_constant is None else norm_constant
-    if const <= 0:
-        raise ValueError(f"norm_constant must be > 0, got {const}")
-    return per_seq.sum() / (seqs * const)
+    return AGGREGATION_MODES[mode](per_seq, mask, seqs, num_tokens, norm_constant)
 
 
 def _fraction(flags: Tensor, weight: Tensor | None = None) -> Tensor:
@@ -223,7 +244,7 @@ class PolicyLoss:
     Args: as ``UpdateArgs`` (aggregation, clip mode and range, dual clip) and ``KLArgs`` (estimator, clamp).
     """
 
-    def __init__(self, aggregation: AggregationMode = "seq_sum", clip_mode: Literal["sequence", "token"] = "sequence",
+    def __init__(self, aggregation: AggregationMode = "seq_sum", clip_mode: ClipMode = "sequence",
                  eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None,
                  kl_in_loss: bool = False, kl_estimator: str = "k1", kl_clamp: float | None = None) -> None:
         self.aggregation, self.clip_mode = aggregation, clip_mode
