@@ -20,7 +20,7 @@ from rloo_lightning import console, stop
 from rloo_lightning.callbacks.predict import PredictionWriter
 from rloo_lightning.callbacks.progress import StepProgressBar
 from rloo_lightning.checkpoint_io import check_checkpoint_path, install_atomic_checkpoint_io, local_checkpoint_path
-from rloo_lightning.config import RENAMED, check_learning_rate
+from rloo_lightning.config import check_learning_rate
 from rloo_lightning.data import PromptDataModule
 from rloo_lightning.export import checkpoint_hparams, main as export_main
 from rloo_lightning.importpath import add_cwd_to_sys_path
@@ -273,13 +273,25 @@ def _unknown_option_message(message: str, argv: list[str], parser, subcommand: s
 def _closest_key(key: str, valid: set[str]) -> tuple[str, str | None, str | None]:
     """``key`` up to its first name that is no option (``model.samplng`` of ``model.samplng.k``), that name
     replaced by the closest valid name at its level (``model.sampling``, or None), and the whole key so mended
-    when it is valid (``model.sampling.k``, else None)."""
+    when it is valid (``model.sampling.k``, else None).
+
+    A name that is a field of one option group one level down is that field: ``model.beta`` is ``model.kl.beta``
+    (the module's options are grouped), as is a group and field written flat (``model.kl_estimator``)."""
     parts = key.split(".")
     nodes = {".".join(k.split(".")[:i]) for k in valid for i in range(1, k.count(".") + 2)}
     i = next((i for i in range(len(parts)) if ".".join(parts[:i + 1]) not in nodes), len(parts) - 1)
     level = ".".join(parts[:i])
-    names = sorted({n.split(".")[i] for n in nodes if n.count(".") == i and n.startswith(level + "." if i else "")})
     bad = ".".join(parts[:i + 1])
+    start = len(level) + 1 if i else 0
+    below = {n[start:]: n for n in nodes if n.count(".") == i + 1 and n.startswith(level + "." if i else "")}
+    grouped = [n for rest, n in below.items() if rest.split(".", 1)[1] == parts[i]]
+    if not grouped:  # a group and its field run together: ``kl_estimator``, ``reward_funcs``
+        flat = {rest.replace(".", "_"): n for rest, n in below.items()}
+        grouped = [flat[c] for c in difflib.get_close_matches(parts[i], list(flat), n=1, cutoff=0.85)]
+    if len(grouped) == 1:
+        full = ".".join([grouped[0], *parts[i + 1:]])
+        return bad, grouped[0], full if full in nodes else None
+    names = sorted({n.split(".")[i] for n in nodes if n.count(".") == i and n.startswith(level + "." if i else "")})
     close = difflib.get_close_matches(parts[i], names, n=1)
     if not close or close[0] == parts[i]:
         return bad, None, None
@@ -363,36 +375,12 @@ def _set_checkpoint_defaults(parser, model: dict, data: dict) -> None:
     parser.set_defaults(defaults)
 
 
-def _renamed_options(args: list[str]) -> list[str]:
-    """Old flat module options in ``args``: ``--model.beta``, or ``model: {beta: ...}`` in a ``--config`` file."""
-    found = []
-    for i, arg in enumerate(args):
-        name = arg[len("--model."):].split("=", 1)[0] if arg.startswith("--model.") else None
-        if name in RENAMED:
-            found.append(name)
-        if arg == "--config" and i + 1 < len(args) or arg.startswith("--config="):
-            path = Path(arg.split("=", 1)[1] if "=" in arg else args[i + 1])
-            if path.is_file():
-                import yaml
-
-                try:
-                    model = (yaml.safe_load(path.read_text()) or {}).get("model")
-                except yaml.YAMLError:
-                    continue  # jsonargparse reports it
-                found += [key for key in model or {} if isinstance(model, dict) and key in RENAMED]
-    return found
-
-
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``rloo-lightning`` and ``python -m rloo_lightning``."""
     # Reward functions and class_path values in the working directory (myreward.py next to the
     # data) are importable; appended, so a user's datasets.py cannot shadow a dependency. DDP ranks
     # re-run this command, so they get it too; reward workers get the parent's directory.
     add_cwd_to_sys_path()
-    renamed = _renamed_options(sys.argv[1:] if args is None else args)
-    if renamed:
-        lines = "\n".join(f"  model.{name} -> model.{RENAMED[name]}" for name in renamed)
-        sys.exit(f"error: RLOOModule's options are grouped now; rename:\n{lines}")
     _quiet_third_party()
     console.install()  # warnings as `warning: <message>` lines; nothing glued to a progress bar
     stop.install()  # from here a SIGTERM ends the run promptly at any point, keeping what there is to keep

@@ -19,7 +19,7 @@ from rloo_lightning.callbacks.checkpoint import FinalCheckpoint, ended_optimizer
 from rloo_lightning.callbacks.predict import PredictionWriter, prediction_rows
 from rloo_lightning.config import (
     AdvantageArgs, CorrectionArgs, DynamicSamplingArgs, EnvironmentArgs, KLArgs, PolicyArgs, PredictArgs, RewardArgs,
-    SamplingArgs, ShapingArgs, UpdateArgs, ValidationArgs, GROUPS, Options, as_group, check_options, renamed_error,
+    RunArgs, SamplingArgs, ShapingArgs, UpdateArgs, ValidationArgs, GROUPS, Options, as_group, check_options,
     to_primitives,
 )
 from rloo_lightning.correction import importance_weights, mismatch_sums, weighted_advantages
@@ -86,8 +86,7 @@ class RLOOModule(LightningModule):
             default: :class:`~rloo_lightning.decode.DecodeLoopEngine`, a decode loop over the policy's KV cache;
             :class:`~rloo_lightning.engines.HFGenerateEngine` is the policy's own ``generate``). In YAML
             ``{class_path: my.Engine, init_args: {...}}``.
-        time_phases: time the phases of each step and write them as ``time/<phase>`` to the loggers.
-        checkpoint_every_n_steps: besides the end of fit, write ``last.ckpt`` every N optimizer steps (0 = off).
+        run: what a fit writes besides the weights: ``last.ckpt`` every N steps, phase times (``RunArgs``).
         optimizer: optimizer factory (default AdamW, lr 1e-6 as in the paper).
         lr_scheduler: scheduler factory (default: linear warm-up then constant).
     """
@@ -107,36 +106,29 @@ class RLOOModule(LightningModule):
         policy: PolicyArgs = PolicyArgs(),
         predict: PredictArgs = PredictArgs(),
         environment: EnvironmentArgs = EnvironmentArgs(),
+        run: RunArgs = RunArgs(),
         generation_engine: GenerationEngine | None = None,
-        time_phases: bool = False,
-        checkpoint_every_n_steps: int = 0,
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
-        **renamed,
     ) -> None:
         super().__init__()
-        if renamed:
-            raise renamed_error(sorted(renamed), where="")
         given = dict(rewards=rewards, sampling=sampling, shaping=shaping, kl=kl, advantage=advantage, update=update,
                      correction=correction, dynamic_sampling=dynamic_sampling, validation=validation, policy=policy,
-                     predict=predict, environment=environment)
+                     predict=predict, environment=environment, run=run)
         cfg = {name: as_group(GROUPS[name], value) for name, value in given.items()}
         self.cfg = Options(**cfg)
         check_options(self.cfg)
         if self.cfg.policy.lora is not None:
             lora_config(self.cfg.policy.lora)  # peft missing or a wrong key fails now, before any model is loaded
-        if checkpoint_every_n_steps < 0:
-            raise ValueError(f"checkpoint_every_n_steps must be >= 0, got {checkpoint_every_n_steps}")
         # Checkpoints hold plain dicts of primitives: load_from_checkpoint rebuilds the groups from them.
-        self.save_hyperparameters({"model_name_or_path": model_name_or_path, **to_primitives(cfg),
-                                   "time_phases": time_phases, "checkpoint_every_n_steps": checkpoint_every_n_steps})
+        self.save_hyperparameters({"model_name_or_path": model_name_or_path, **to_primitives(cfg)})
         c = self.cfg
         self.engine = generation_engine or DecodeLoopEngine()
         if c.correction.level != "none" and self.engine.reports_logprobs is False:
             raise ValueError(f"correction.level={c.correction.level!r} needs an engine that reports its log-probs; "
                              f"{type(self.engine).__name__} does not (DecodeLoopEngine or HFGenerateEngine: "
                              "return_logprobs=true)")
-        self.timer = PhaseTimer(enabled=time_phases)
+        self.timer = PhaseTimer(enabled=c.run.time_phases)
         # Reward import paths resolve now: a typo fails before any model is loaded. None: predict without scores.
         self.rewards = RewardSet.from_specs(c.rewards.funcs, c.rewards.weights, timeout=c.rewards.timeout,
                                             num_workers=c.rewards.workers, on_error=c.rewards.on_error,
@@ -246,7 +238,7 @@ class RLOOModule(LightningModule):
 
     def configure_callbacks(self):
         # A resumable last.ckpt of the final step whatever the validation cadence (never replaces a ModelCheckpoint).
-        callbacks = [FinalCheckpoint(every_n_steps=self.hparams.checkpoint_every_n_steps),
+        callbacks = [FinalCheckpoint(every_n_steps=self.cfg.run.checkpoint_every_n_steps),
                      PredictionWriter(self.cfg.predict.output_file)]
         return callbacks + ([ValidateAtStart()] if self.cfg.validation.at_start else [])
 

@@ -9,18 +9,11 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig
 
-from rloo_lightning.engines import (  # noqa: F401  (also importable from here, their first home)
-    GenerationEngine,
-    HFGenerateEngine,
-    generates_synced,
-    prompt_groups,
-    shared_prefill,
-)
+from rloo_lightning.engines import GenerationEngine, HFGenerateEngine
 from rloo_lightning.logprobs import completion_mask
 
-__all__ = ["Rollout", "GenerationEngine", "HFGenerateEngine", "concat_groups", "sampling_config", "default_eos_ids",
-           "derive_seed", "generate_rollout", "stop_string_ends", "generation_configs", "prompt_groups",
-           "shared_prefill"]
+__all__ = ["Rollout", "concat_groups", "sampling_config", "default_eos_ids", "derive_seed", "generate_rollout",
+           "stop_string_ends", "generation_configs"]
 
 
 @dataclass

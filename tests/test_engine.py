@@ -48,7 +48,7 @@ class EchoEngine(GenerationEngine):
 def test_custom_engine_feeds_the_whole_step(tiny_model_dir):
     engine = EchoEngine()
     module = RLOOModule(tiny_model_dir, rewards={"funcs": [REWARD]}, sampling={"k": 2, "max_new_tokens": 6},
-                        validation={"at_start": False}, generation_engine=engine, time_phases=True)
+                        validation={"at_start": False}, generation_engine=engine, run={"time_phases": True})
     data = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, task="reverse", batch_size=3, num_train_rows=12,
                             num_val_rows=3, max_new_tokens=6)
     timings = RecordingLogger()

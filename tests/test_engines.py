@@ -105,20 +105,3 @@ def test_cli_fit_with_the_bf16_engine_and_a_correction_logs_the_mismatch(tmp_pat
     tags = set(acc.Tags()["scalars"])
     assert {"train/mismatch/kl_k3", "train/mismatch/ratio_outside_0.9_1.1", "train/correction/weight_mean"} <= tags
     assert len(acc.Scalars("train/mismatch/kl_k3")) == 3
-
-
-def test_engines_keep_their_first_import_path(tiny_model_dir, monkeypatch):
-    # The interface and HFGenerateEngine moved from rollout.py to engines.py; configs written with the old class
-    # path must still build the same engine.
-    from test_cli_output import QUICKSTART, _cli_classes
-
-    from rloo_lightning import rollout
-    from rloo_lightning.cli import RLOOCLI
-
-    for name in ("GenerationEngine", "HFGenerateEngine", "shared_prefill", "prompt_groups", "generates_synced"):
-        assert getattr(rollout, name) is getattr(engines, name), name
-    monkeypatch.setattr(RLOOCLI, "_subcommand_parsers", {}, raising=False)
-    old = '{"class_path": "rloo_lightning.rollout.HFGenerateEngine", "init_args": {"share_prompt": false}}'
-    cli = RLOOCLI(*_cli_classes(), run=False, args=["--config", QUICKSTART, "--model.model_name_or_path",
-                                                    tiny_model_dir, "--model.generation_engine", old])
-    assert type(cli.model.engine) is engines.HFGenerateEngine and cli.model.engine.share_prompt is False

@@ -16,12 +16,12 @@ from cli_harness import CONFIGS, make_env, start_cli, wait_all
 from rloo_lightning import RLOOModule
 from rloo_lightning.config import (
     GROUPS,
-    RENAMED,
     AdvantageArgs,
     DynamicSamplingArgs,
     KLArgs,
     PolicyArgs,
     RewardArgs,
+    RunArgs,
     SamplingArgs,
     ShapingArgs,
     UpdateArgs,
@@ -63,6 +63,7 @@ BAD = [
                                                         "validation.num_samples=2]"),
     (PolicyArgs, {"lora_export": "both"}, "policy.lora_export must be one of 'merged', 'adapter'; got 'both'"),
     (PolicyArgs, {"lora": {}}, "policy.lora must be a non-empty mapping"),
+    (RunArgs, {"checkpoint_every_n_steps": -1}, "run.checkpoint_every_n_steps must be >= 0, got -1"),
     (PolicyArgs, {"lora": {"r": 4, "task_type": "SEQ_CLS"}}, "policy.lora: task_type is set by RLOOModule"),
 ]
 
@@ -96,25 +97,31 @@ def test_unknown_field_names_the_group_and_the_closest_field():
         RLOOModule("unused", rewards={"funcs": [REWARD]}, sampling={"beta": 0.1})
 
 
-def test_every_renamed_option_is_a_field_of_its_group():
-    for old, new in RENAMED.items():
-        group, name = new.split(".")
-        assert name in {f.name for f in dataclasses.fields(GROUPS[group])}, (old, new)
+def test_run_group_reaches_the_final_checkpoint_and_the_timer():
+    from rloo_lightning.callbacks.checkpoint import FinalCheckpoint
+
+    module = RLOOModule("unused", rewards={"funcs": [REWARD]}, run={"checkpoint_every_n_steps": 3, "time_phases": True})
+    final = [c for c in module.configure_callbacks() if isinstance(c, FinalCheckpoint)]
+    assert len(final) == 1 and final[0].every_n_steps == 3 and module.timer.enabled
+    assert not RLOOModule("unused", rewards={"funcs": [REWARD]}).timer.enabled
 
 
-def test_flat_keyword_raises_naming_the_new_option():
-    with pytest.raises(ValueError, match=re.escape("beta is now kl.beta")):
+def test_flat_keyword_is_no_parameter():
+    # No catch-all: an option outside its group is Python's own error, naming it.
+    with pytest.raises(TypeError, match="unexpected keyword argument 'beta'"):
         RLOOModule("unused", rewards={"funcs": [REWARD]}, beta=0.1)
-    with pytest.raises(ValueError, match=r"reward_funcs is now rewards\.funcs.*validate_at_start is now "
-                                         r"validation\.at_start"):
-        RLOOModule("unused", reward_funcs=[REWARD], rewards={"funcs": [REWARD]}, validate_at_start=False)
 
 
-def test_cli_main_refuses_flat_options_before_parsing():
+def test_cli_suggests_the_grouped_name_of_a_flat_option(capsys):
     from rloo_lightning.cli import main
 
-    with pytest.raises(SystemExit, match=re.escape("model.beta -> model.kl.beta")):
-        main(["fit", "--config", str(QUICKSTART), "--model.beta", "0.1"])
+    for flag, grouped in [("--model.beta", "--model.kl.beta"), ("--model.kl_estimator", "--model.kl.estimator"),
+                          ("--model.reward_funcs", "--model.rewards.funcs"), ("--model.k", "--model.sampling.k"),
+                          ("--model.time_phases", "--model.run.time_phases")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["fit", "--config", str(QUICKSTART), flag, "1"])
+        assert exit_.value.code == 2
+        assert f"unknown option {flag}; did you mean {grouped}?" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -135,10 +142,12 @@ def test_cli_and_yaml_with_flat_options_exit_naming_the_new_ones(tmp_path, _cach
     wait_all(*procs.values())
     for name, proc in procs.items():
         assert proc.rc not in (0, None) and not proc.timed_out, proc.explain()
-        assert "model.kl.beta" in proc.log, proc.explain()
+        assert name == "yaml" or "model.kl.beta" in proc.log, proc.explain()
         assert not (proc.cwd / "lightning_logs").exists(), name  # refused before any training
+    assert "unknown option --model.beta; did you mean --model.kl.beta?" in procs["flag"].log, procs["flag"].explain()
     text = procs["yaml"].log
-    assert "model.reward_funcs -> model.rewards.funcs" in text and "model.k -> model.sampling.k" in text, text
+    # the parser names the first unknown key of the file, and where it is
+    assert re.search(r"unknown option model\.\w+ in \S*flat\.yaml; did you mean model\.\w+\.\w+\?", text), text
 
 
 @pytest.mark.slow
