@@ -97,6 +97,31 @@ def test_unknown_field_names_the_group_and_the_closest_field():
         RLOOModule("unused", rewards={"funcs": [REWARD]}, sampling={"beta": 0.1})
 
 
+def test_registry_options_take_their_tables_names():
+    # Each option backed by a registry accepts exactly the table's names, and each name runs.
+    from rloo_lightning.advantages import BASELINES, baseline_advantages, MovingAverageBaseline
+    from rloo_lightning.config import _choices
+    from rloo_lightning.kl import KL_ESTIMATORS, KL_PLACEMENTS, kl_per_token
+    from rloo_lightning.losses import AGGREGATION_MODES, aggregate_token_loss
+
+    assert _choices(AdvantageArgs)["baseline"] == tuple(BASELINES)
+    assert _choices(KLArgs)["estimator"] == tuple(KL_ESTIMATORS)
+    assert _choices(KLArgs)["placement"] == KL_PLACEMENTS
+    assert _choices(UpdateArgs)["loss_aggregation"] == tuple(AGGREGATION_MODES)
+    rewards, logp, mask = torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([[-1.0, -2.0]]), torch.ones(1, 2)
+    for name in BASELINES:
+        out = baseline_advantages(rewards, 2, name, moving_average=MovingAverageBaseline())
+        assert out.shape == rewards.shape and torch.isfinite(out).all(), name
+    for name in KL_ESTIMATORS:
+        assert kl_per_token(logp, logp, name).abs().max() == 0, name  # every estimator is 0 at pi == pi_ref
+    for name in AGGREGATION_MODES:
+        assert torch.isfinite(aggregate_token_loss(logp, mask, name)), name
+    for option, value in [("baseline", "max"), ("estimator", "k4"), ("loss_aggregation", "mean")]:
+        group = {"baseline": AdvantageArgs, "estimator": KLArgs, "loss_aggregation": UpdateArgs}[option]
+        with pytest.raises(ValueError, match=f"{group.prefix}.{option} must be one of"):
+            group(**{option: value})
+
+
 def test_run_group_reaches_the_final_checkpoint_and_the_timer():
     from rloo_lightning.callbacks.checkpoint import FinalCheckpoint
 
