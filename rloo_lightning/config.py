@@ -324,7 +324,7 @@ class UpdateArgs:
             of a second forward call. ``auto`` (default) shares when the compute saved is worth more than that
             call, ``parameters x (k-1) x distinct prompt tokens >= logprobs.SHARE_MIN_WORK`` (SmolLM2-135M at
             4 prompts x k = 4: yes, 33 % off the policy's forward + backward; the quickstart's tiny model: no,
-            where sharing costs 4 %; ``docs/generation.md``); ``always``; ``never``. Used only where it applies
+            where sharing costs 4 %; ``benchmarks/generation.md``); ``always``; ``never``. Used only where it applies
             (a micro-batch of whole groups, a Hugging Face model that returns its cache, no activation
             checkpointing in training); elsewhere the forward runs each sequence whole.
         warmup_ratio: fraction of the total steps for the linear warm-up of the default constant-rate

@@ -2,7 +2,7 @@
 
 ``generate`` is general; an RLOO rollout asks for one thing, ``N*k`` samples from pi_theta at a temperature, and
 three parts of ``generate``'s cost are not needed for it (measured on SmolLM2-135M, 16 rows, CPU; see
-``docs/generation.md``):
+``benchmarks/generation.md``):
 
 - each of the k copies of a prompt is prefilled again: here each distinct prompt is prefilled once and its cache
   repeated over its k rows;
@@ -75,7 +75,7 @@ def plain_sampling(config) -> bool:
 
 def _chunked_head(module: torch.nn.Linear, x: Tensor) -> Tensor:
     """``module(x)`` as vocabulary chunks of one output: in one piece, the ``[rows, H] x [H, V]`` matmul of a decode
-    step runs at a fraction of the small-matmul rate on CPU (``docs/generation.md``)."""
+    step runs at a fraction of the small-matmul rate on CPU (``benchmarks/generation.md``)."""
     weight = module.weight
     if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):  # mm(out=...) has no autograd
         return torch.nn.functional.linear(x, weight, module.bias)

@@ -22,6 +22,7 @@ __all__ = [
     "reward_to_go",
     "mix_into_reference",
     "fold_kl",
+    "KLTerm",
 ]
 
 
@@ -203,3 +204,48 @@ def fold_kl(
     kl = token_kl.sum(1)
     shaped = rewards - beta * kl if placement == "reward" else rewards
     return token_kl, kl, shaped
+
+
+class KLTerm:
+    """The KL term's one home: where ``beta * KL(pi || pi_ref)`` enters (``kl.placement``), with its estimator.
+
+    - ``reward`` (the paper, Sec. 2.3; TRL): :meth:`fold` subtracts the sequence KL from the reward before the
+      baseline;
+    - ``token_reward`` (OpenRLHF): :meth:`token_advantages` adds ``-beta*kl_t`` per token after the baseline;
+    - ``loss`` (GRPO, verl ``use_kl_loss``): :attr:`in_loss`; ``losses.PolicyLoss`` adds ``beta * KL`` with its
+      gradient.
+
+    Args: as ``KLArgs`` (``estimator``, ``clamp``, ``placement``).
+    """
+
+    def __init__(self, estimator: KLEstimator = "k1", clamp: float | None = None,
+                 placement: KLPlacement = "reward") -> None:
+        if placement not in KL_PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(map(repr, KL_PLACEMENTS))}; got {placement!r}")
+        self.estimator, self.clamp, self.placement = estimator, clamp, placement
+
+    @classmethod
+    def from_args(cls, args) -> KLTerm:
+        """From a :class:`~rloo_lightning.config.KLArgs`."""
+        return cls(args.estimator, args.clamp, args.placement)
+
+    @property
+    def in_loss(self) -> bool:
+        return self.placement == "loss"
+
+    def fold(self, rewards: Tensor, logp: Tensor | None, ref_logp: Tensor | None, mask: Tensor,
+             beta: float | Tensor) -> tuple[Tensor | None, Tensor | None, Tensor]:
+        """``(token_kl [B, T], kl [B], R [B])`` of :func:`fold_kl`; without a reference (``ref_logp`` None,
+        beta == 0) ``(None, None, rewards)``: the baseline sees the reward itself."""
+        if ref_logp is None:
+            return None, None, rewards
+        return fold_kl(rewards, logp, ref_logp, mask, beta, self.estimator, self.clamp, self.placement)
+
+    def token_advantages(self, advantages: Tensor, token_kl: Tensor | None, loss_mask: Tensor,
+                         beta: float) -> Tensor | None:
+        """``[B, T]`` token advantages for ``token_reward`` (OpenRLHF: ``-beta*kl_t`` at every token and the
+        sequence advantage ``[B]`` at the last one, summed to go with gamma = 1); None for the other placements
+        or without a reference."""
+        if self.placement != "token_reward" or token_kl is None:
+            return None
+        return reward_to_go(token_rewards_after_baseline(advantages, token_kl, loss_mask, beta), loss_mask)

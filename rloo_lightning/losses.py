@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rloo_lightning.kl import kl_per_token
+from rloo_lightning.kl import KLTerm, kl_per_token
 from rloo_lightning.logprobs import masked_sum
 
 __all__ = [
@@ -255,7 +255,8 @@ class PolicyLoss:
     def from_args(cls, update, kl) -> PolicyLoss:
         """From the :class:`~rloo_lightning.config.UpdateArgs` and :class:`~rloo_lightning.config.KLArgs` groups."""
         return cls(update.loss_aggregation, update.clip_mode, update.clip_eps_low, update.clip_eps_high,
-                   update.dual_clip, kl_in_loss=kl.placement == "loss", kl_estimator=kl.estimator, kl_clamp=kl.clamp)
+                   update.dual_clip, kl_in_loss=KLTerm.from_args(kl).in_loss, kl_estimator=kl.estimator,
+                   kl_clamp=kl.clamp)
 
     def __call__(self, logp: Tensor, mask: Tensor, advantages: Tensor, denominators: dict,
                  old_logp: Tensor | None = None, ref_logp: Tensor | None = None,

@@ -30,7 +30,7 @@ def log_step_metrics(trainer, metrics: Mapping[str, float], step: int, prog_bar:
     """One training step's values, already reduced across ranks, to the trainer, without ``LightningModule.log``.
 
     ``self.log`` costs about a millisecond a key on a CPU whatever the value (Lightning moves the key's whole
-    result state to the value's device at every call; ``scripts/bench_logging.py``: 1.1 ms a key, 0.19 ms here,
+    result state to the value's device at every call; ``benchmarks/bench_logging.py``: 1.1 ms a key, 0.19 ms here,
     on 2 cores); the step logs 12-20 keys, several milliseconds a step. These values need none of what it
     adds: they are already global means, and each is one step's value (no epoch aggregation). They go to
     ``trainer.callback_metrics`` (what a ``ModelCheckpoint`` or ``EarlyStopping`` ``monitor`` and the progress
@@ -150,15 +150,15 @@ def train_metric_sums(rollout, entropy: Tensor, loss: Tensor) -> dict[str, tuple
         sums["train/correction/zero_fraction"] = (((w == 0).float() * on).sum(), on.sum())
     for name, (total, count) in (rollout.clip_stats or {}).items():
         sums[f"train/{name}"] = (torch.as_tensor(total), torch.as_tensor(count))
-    if rollout.turns is not None:  # a multi-turn rollout: per episode
-        context = rollout.context_mask
-        sums["train/turns"] = (rollout.turns.sum(), rows)
+    if (episodes := rollout.episodes) is not None:  # a multi-turn rollout: per episode
+        context = episodes.context_mask
+        sums["train/turns"] = (episodes.turns.sum(), rows)
         sums["train/truncated_episodes"] = (rollout.truncated.sum(), rows)
         sums["train/policy_tokens"] = (mask.sum(), rows)
         sums["train/env_tokens"] = ((context - mask).sum(), rows)
         for kind in CUT_KINDS:  # why episodes were cut, each kind's share
-            sums[f"train/cut/{kind}"] = (rows.new_tensor(float(sum(c == kind for c in rollout.cut_by or []))), rows)
-        for name, values in rollout.env_metrics.items():  # the environment's own, per episode that did not fail
+            sums[f"train/cut/{kind}"] = (rows.new_tensor(float(sum(c == kind for c in episodes.cut_by))), rows)
+        for name, values in episodes.metrics.items():  # the environment's own, per episode that did not fail
             ok = ~torch.isnan(values.float())
             sums[f"train/{name}"] = (torch.nan_to_num(values.float()).sum(), ok.sum())
     for name, values in rollout.scores.items():

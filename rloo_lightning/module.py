@@ -26,7 +26,7 @@ from rloo_lightning.correction import importance_weights, mismatch_sums, weighte
 from rloo_lightning.decode import DecodeLoopEngine
 from rloo_lightning.dynamic_sampling import fill_informative
 from rloo_lightning.engines import GenerationEngine
-from rloo_lightning.kl import fold_kl, mix_into_reference, reward_to_go, token_rewards_after_baseline
+from rloo_lightning.kl import KLTerm
 from rloo_lightning.logprobs import sequence_logprobs, worth_sharing
 from rloo_lightning.losses import PolicyLoss
 from rloo_lightning.metrics import (
@@ -39,16 +39,17 @@ from rloo_lightning.metrics import (
     write_to_loggers,
 )
 from rloo_lightning.multiturn import EpisodeSampler
-from rloo_lightning.policy import Frozen, disable_dropout, export_pretrained, load_models, lora_config, prepare_policy
+from rloo_lightning.policy import disable_dropout, export_pretrained, load_models, lora_config, prepare_policy
 from rloo_lightning.rewards import RewardSet
 from rloo_lightning.rewards.model import RewardModel
+from rloo_lightning.reference import ReferencePolicy
 from rloo_lightning.rewards.shaping import shape_rewards
 from rloo_lightning.rollout import Rollout, default_eos_ids, derive_seed
 from rloo_lightning.rollout import generate_rollout, generation_configs
 from rloo_lightning.threads import use_threads
 from rloo_lightning.timing import PhaseTimer
 from rloo_lightning.update import (
-    GradientStash, NonFiniteError, NonFiniteGuard, RolloutReuse, loss_denominators, micro_batched_loss, micro_batches,
+    GradientStash, NonFiniteError, NonFiniteGuard, RolloutReuse, loss_denominators, micro_batches,
 )
 
 __all__ = ["RLOOModule", "NonFiniteError", "warmup_constant_schedule"]
@@ -137,13 +138,14 @@ class RLOOModule(LightningModule):
         self.episodes = EpisodeSampler(c.environment) if c.environment.class_path else None
         # The options plug in as small objects at their point of the step (5: advantages, 6: the loss).
         self.advantage_estimator = AdvantageEstimator.from_args(c.advantage, c.sampling.k)
+        self.kl_term = KLTerm.from_args(c.kl)
         self.policy_loss = PolicyLoss.from_args(c.update, c.kl)
         self.reuse = RolloutReuse(c.update.updates_per_rollout)
         self.grad_stash = GradientStash()
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
         self.policy: torch.nn.Module | None = None
         self.tokenizer = None
-        self._ref: Frozen | None = None
+        self.ref: ReferencePolicy | None = None  # pi_ref when beta > 0 (reference.py), set by attach
         self.guard = NonFiniteGuard(c.update.on_nonfinite)
         self._last_stats: dict[str, float] = {}
         self.no_signal = NoSignalWatch()
@@ -193,16 +195,17 @@ class RLOOModule(LightningModule):
         ``configure_model`` calls this with the models it loads; tests and the exactness check call it
         with models of their own. The reference is the initial policy: a copy, not a second load (a GGUF
         load dequantizes), made before FSDP2 shards the policy; under LoRA it is the same model with the
-        adapter disabled (see :meth:`reference_logprobs`).
+        adapter disabled (:class:`~rloo_lightning.reference.ReferencePolicy`).
         """
         c = self.cfg
         self.tokenizer = tokenizer
-        if c.kl.beta > 0 and not c.policy.lora:
-            self._ref = Frozen(reference if reference is not None else copy.deepcopy(policy))
+        if c.kl.beta > 0:
+            own = None if c.policy.lora else reference if reference is not None else copy.deepcopy(policy)
+            self.ref = ReferencePolicy(own, c.kl.ref_sync_steps, c.kl.ref_sync_alpha)
         self.policy = prepare_policy(policy, c.policy)
         self._policy_params = sum(p.numel() for p in self.policy.parameters())  # before sharding: the whole model
         if c.policy.disable_dropout:
-            disable_dropout(self.policy, self._ref.model if self._ref else None)
+            disable_dropout(self.policy, self.ref.copy if self.ref is not None else None)
         if self.device_mesh is not None:
             # ModelParallelStrategy: FSDP2 on the policy alone (each decoder layer, then the root), over the
             # data-parallel mesh; the reference above was copied before this and stays whole.
@@ -213,20 +216,10 @@ class RLOOModule(LightningModule):
 
     @property
     def reference(self) -> torch.nn.Module | None:
-        """The frozen reference policy on this module's device, in the policy's dtype (None when beta == 0)."""
-        if self._ref is None:
-            return None
-        ref, policy = next(self._ref.model.parameters()), next(self.policy.parameters())
-        if ref.device != self.device or ref.dtype != policy.dtype:
-            # Follow the policy: Lightning moves it (and casts it under ``bf16-true``) after configure_model and
-            # never sees the unregistered reference. Same dtype, so that KL = 0 at step 0.
-            self._ref.model.to(device=self.device, dtype=policy.dtype)
-        return self._ref.model
-
-    @property
-    def has_reference(self) -> bool:
-        """True when a KL term is computed (beta > 0 at construction)."""
-        return self._ref is not None or bool(self.cfg.policy.lora and self.cfg.kl.beta > 0)
+        """The reference's own model on this module's device, in the policy's dtype (None when beta == 0 or under
+        LoRA, where the reference is the policy with its adapter disabled)."""
+        return self.ref.model(self.policy, self.device) if self.ref is not None and self.ref.copy is not None \
+            else None
 
     @property
     def _strategy(self):
@@ -262,7 +255,7 @@ class RLOOModule(LightningModule):
             rollout = self.sample(batch, c.sampling.k, self.sampling_seed("train", self.global_step))
             stop.end_step(self._trainer, "after generation")  # a SIGTERM during it: every rank stops here together
             # 2. Rewards: weighted sum of the reward functions (NaN = missing), then the optional shaping.
-            self.score(rollout)
+            rollout.scores, rollout.rewards = self.score(rollout)
             if c.dynamic_sampling.enabled:  # DAPO: more prompts until every group's rewards differ
                 rollout = self.informative_rollout(rollout, len(batch["prompt"]))
         # 3.-6. Log-probs, KL, advantages, loss.
@@ -279,9 +272,9 @@ class RLOOModule(LightningModule):
 
         A rollout reused for a later update (``update.updates_per_rollout > 1``) only goes through step 6.
         """
-        c, mask = self.cfg, rollout.completion_mask
+        c = self.cfg
         fresh = rollout.old_logp is None
-        rows = micro_batches(mask.shape[0], c.update.micro_batch_size)
+        rows = micro_batches(rollout.completion_mask.shape[0], c.update.micro_batch_size)
         # 3. Log-probs at the sampling temperature: the policy's with grad when the rollout is one micro-batch
         #    (else without, only where steps 4-5 need them, and with grad per micro-batch in step 6); the
         #    reference's without grad.
@@ -289,28 +282,35 @@ class RLOOModule(LightningModule):
         with self.timer("policy_forward"):
             if len(rows) == 1:
                 logp, entropy = self.logprobs(self.policy, rollout, with_entropy=True)
-            elif fresh and (self.has_reference or c.update.updates_per_rollout > 1 or rollout.sampler_logp is not None):
+            elif fresh and (self.ref is not None or c.update.updates_per_rollout > 1
+                            or rollout.sampler_logp is not None):
                 with torch.no_grad():
                     logp = torch.cat([self.logprobs(self.policy, rollout, r)[0] for r in rows])
         if fresh:
-            rollout.shaped_rewards = rollout.rewards
-            if self.has_reference:
+            if self.ref is not None:
                 with self.timer("reference"):
                     rollout.ref_logp = self.reference_logprobs(rollout, rows)
-                # 4. KL on the sequence (k1), detached, folded into the reward *before* the baseline:
-                #    R = r - beta * log pi(y)/pi_ref(y) (paper Sec. 2.3), unbiased for E[r] - beta*KL.
-                rollout.token_kl, rollout.kl, rollout.shaped_rewards = fold_kl(
-                    rollout.rewards, logp.detach(), rollout.ref_logp, mask, self.beta, c.kl.estimator, c.kl.clamp,
-                    c.kl.placement)
+            # 4. KL on the sequence (k1), detached, folded into the reward *before* the baseline:
+            #    R = r - beta * log pi(y)/pi_ref(y) (paper Sec. 2.3), unbiased for E[r] - beta*KL (kl.py: KLTerm).
+            rollout.token_kl, rollout.kl, baseline_rewards = self.kl_term.fold(
+                rollout.rewards, None if logp is None else logp.detach(), rollout.ref_logp, rollout.completion_mask,
+                self.beta)
+            rollout.baseline_rewards = self.advantage_estimator.normalize(baseline_rewards, self.reduce_across_ranks)
             # 3b. An engine that reports log pi_s: how far it is from pi_theta, and (correction.level) the detached
             #     weights pi_theta/pi_s for step 6, kept for a reused rollout's later updates (their clipped ratio
             #     is pi_theta/pi_theta_old: the weight corrects pi_theta_old against the sampler, once).
-            self.correct_sampler(rollout, logp)
+            rollout.mismatch, rollout.is_weights = self.correct_sampler(rollout, logp)
             # 5. Leave-one-out advantages per prompt group: A_i = R_i - mean_{j != i} R_j (paper Eq. 4).
-            #    Callbacks see the rollout first; rows they drop count as missing (advantage 0).
-            self.compute_advantages(rollout)
+            #    Callbacks see the rollout first and may drop rows (advantage 0) or edit baseline_rewards.
+            rollout.keep = ~rollout.truncated if c.shaping.mask_truncated_completions else \
+                torch.ones_like(rollout.truncated, dtype=torch.bool)
+            self._call_rollout_hooks("on_rollout", rollout)
+            rollout.advantages = self.advantage_estimator(rollout.baseline_rewards, rollout.keep,
+                                                          self.reduce_across_ranks)
+            rollout.token_advantages = self.kl_term.token_advantages(rollout.advantages, rollout.token_kl,
+                                                                     rollout.loss_mask, float(self.beta))
         # 6. Sequence-level REINFORCE: -1/S sum_i A_i sum_t m_t logp_t over the kept sequences (paper Sec. 3.1).
-        loss, entropy = self.update_loss(rollout, rows, logp if len(rows) == 1 else None, entropy)
+        loss, entropy, rollout.clip_stats = self.update_loss(rollout, rows, logp if len(rows) == 1 else None, entropy)
         if fresh and c.update.updates_per_rollout > 1:
             rollout.old_logp = logp.detach()  # pi_theta_old of the later updates on this rollout
         if fresh:
@@ -323,7 +323,7 @@ class RLOOModule(LightningModule):
         return derive_seed(self.cfg.sampling.seed, self.global_rank, stream, step)
 
     def sample(self, batch: dict, k: int, seed: int, greedy: bool = False) -> Rollout:
-        """Sample ``k`` completions per prompt of ``batch`` from the policy (step 1)."""
+        """Step 1: ``k`` completions per prompt of ``batch`` from the policy, as a new :class:`Rollout`."""
         # Sharded policies (FSDP2, FSDP, ZeRO-3): parameters gathered once for the whole generate call, so that
         # ranks stopping at different lengths issue no collectives (no deadlock); a no-op otherwise.
         config = self.greedy_config if greedy else self.generation_config
@@ -335,8 +335,9 @@ class RLOOModule(LightningModule):
                                     batch["prompt"], batch["columns"], k, config, seed,
                                     engine=self.engine, grad_free=self._grad_free())
 
-    def score(self, rollout: Rollout, shape: bool = True) -> None:
-        """Step 2: ``rollout.scores`` per reward function and ``rollout.rewards`` (weighted, then shaped).
+    def score(self, rollout: Rollout, shape: bool = True) -> tuple[dict[str, Tensor], Tensor]:
+        """Step 2: ``(scores, rewards)``: ``{name: [B]}`` per reward function and the task reward ``[B]``, their
+        weighted sum, with the ``shaping`` penalties unless ``shape`` is False (validation scores unshaped).
 
         A multi-turn rollout adds its environment's reward, as the score ``environment`` (weight 1)."""
         with self.timer("reward"):
@@ -344,14 +345,14 @@ class RLOOModule(LightningModule):
             if self.rewards is not None:
                 total, per_func = self.rewards.score(rollout.prompts, rollout.completions,
                                                      rollout.completion_token_lists(), rollout.columns)
-            if rollout.env_rewards is not None:
-                total, per_func = total.to(self.device) + rollout.env_rewards, {**per_func,
-                                                                                 "environment": rollout.env_rewards}
-            rollout.rewards = total.to(self.device)
-            rollout.scores = {name: v.to(self.device) for name, v in per_func.items()}
-            if shape:  # validation metrics use the unshaped reward
-                rollout.rewards = shape_rewards(rollout.rewards, rollout.completion_mask, rollout.missing_eos,
-                                                self.cfg.shaping, self.cfg.sampling.max_new_tokens)
+            if rollout.episodes is not None:
+                env = rollout.episodes.rewards
+                total, per_func = total.to(self.device) + env, {**per_func, "environment": env}
+            rewards = total.to(self.device)
+            if shape:
+                rewards = shape_rewards(rewards, rollout.completion_mask, rollout.missing_eos, self.cfg.shaping,
+                                        self.cfg.sampling.max_new_tokens)
+            return {name: v.to(self.device) for name, v in per_func.items()}, rewards
 
     def logprobs(self, model: torch.nn.Module, rollout: Rollout, rows: slice = slice(None),
                  with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -368,21 +369,13 @@ class RLOOModule(LightningModule):
         return worth_sharing(self._policy_params, rollout.k, distinct)
 
     def reference_logprobs(self, rollout: Rollout, rows: list[slice]) -> Tensor:
-        """``[B, T]`` log-probs of the completions under the reference, one micro-batch at a time.
+        """Step 3: ``[B, T]`` log-probs of the completions under the reference, one micro-batch at a time."""
+        return self.ref.logprobs(self.policy, lambda model, r: self.logprobs(model, rollout, r)[0], rows,
+                                 self._grad_free(), self.device)
 
-        Under LoRA the reference is the policy with its adapter disabled (``peft``'s ``disable_adapter``),
-        which is exactly the initial policy because the adapter starts at 0.
-        """
-        with self._grad_free():
-            if self._ref is not None:
-                logp = torch.cat([self.logprobs(self.reference, rollout, r)[0] for r in rows])
-            else:
-                with self.policy.disable_adapter():
-                    logp = torch.cat([self.logprobs(self.policy, rollout, r)[0] for r in rows])
-        return logp.clone() if logp.is_inference() else logp  # a normal tensor: the loss may save it
-
-    def correct_sampler(self, rollout: Rollout, logp: Tensor | None) -> None:
-        """The sampler's mismatch sums (``train/mismatch/*``) and, with ``correction.level``, ``rollout.is_weights``.
+    def correct_sampler(self, rollout: Rollout, logp: Tensor | None) -> tuple[dict, Tensor | None]:
+        """Step 3b: ``(mismatch, is_weights)``: the sampler's mismatch sums (``train/mismatch/*``) and, with
+        ``correction.level``, the detached importance weights pi_theta/pi_s (else None).
 
         Nothing for an engine that reports no log-probs (``logp`` may then be None), unless a correction is asked.
         """
@@ -391,35 +384,24 @@ class RLOOModule(LightningModule):
             if c.level != "none":
                 raise ValueError(f"correction.level={c.level!r}, but {type(self.engine).__name__} returned no "
                                  "log-probs with its ids: there is nothing to correct with")
-            return
+            return {}, None
         logp = logp.detach()
-        rollout.mismatch = mismatch_sums(logp, rollout.sampler_logp, rollout.completion_mask)
-        if c.level != "none":
-            rollout.is_weights = importance_weights(logp, rollout.sampler_logp, rollout.completion_mask, c.level,
-                                                    c.mode, c.cap, c.lower)
+        mismatch = mismatch_sums(logp, rollout.sampler_logp, rollout.completion_mask)
+        if c.level == "none":
+            return mismatch, None
+        return mismatch, importance_weights(logp, rollout.sampler_logp, rollout.completion_mask, c.level, c.mode,
+                                            c.cap, c.lower)
 
-    def compute_advantages(self, rollout: Rollout) -> None:
-        """Step 5: rows to keep, the rollout hooks, the baseline; fills ``keep``, ``advantages`` (and token ones)."""
-        c, mask = self.cfg, rollout.completion_mask
-        rollout.shaped_rewards = self.advantage_estimator.normalize(rollout.shaped_rewards, self.reduce_across_ranks)
-        rollout.keep = torch.ones_like(rollout.rewards, dtype=torch.bool)
-        if c.shaping.mask_truncated_completions:
-            rollout.keep &= ~rollout.truncated
-        self._call_rollout_hooks("on_rollout", rollout)
-        rollout.advantages = self.advantage_estimator(rollout.shaped_rewards, rollout.keep, self.reduce_across_ranks)
-        if c.kl.placement == "token_reward" and rollout.token_kl is not None:
-            # OpenRLHF: -beta*kl_t at every token, the advantage at the last one, summed to go (gamma = 1).
-            loss_mask = mask * rollout.keep[:, None]
-            rollout.token_advantages = reward_to_go(
-                token_rewards_after_baseline(rollout.advantages, rollout.token_kl, loss_mask, float(self.beta)),
-                loss_mask)
+    def update_loss(self, rollout: Rollout, rows: list[slice], logp: Tensor | None, entropy: Tensor | None
+                    ) -> tuple[Tensor, Tensor | None, dict]:
+        """Step 6: ``(loss, entropy [B, T], clip statistics)``, one micro-batch (``rows``) at a time.
 
-    def update_loss(self, rollout: Rollout, rows: list[slice], logp: Tensor | None,
-                    entropy: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Step 6 for Lightning's backward: the loss of every micro-batch (``rows``), clip statistics in the rollout.
-
-        ``logp``: the whole rollout's log-probs with grad when it is one micro-batch; otherwise each
-        micro-batch runs its forward here (see :func:`~rloo_lightning.update.micro_batched_loss`).
+        ``logp``: the whole rollout's log-probs with grad when it is one micro-batch; otherwise each micro-batch
+        runs its forward here. Every micro-batch but the last is differentiated here and its gradient held in
+        ``grad_stash`` (``update.GradientStash``: injected in :meth:`on_before_backward`, so that Lightning's one
+        backward carries the whole rollout's gradient); the last one's loss is returned for Lightning's backward,
+        plus the others' values (detached), so that the logged loss is the total. The denominators are fixed over
+        the whole rollout (and every rank) first, so that the micro-batch losses add up to the rollout's.
         """
         c = self.cfg
         denominators = loss_denominators(rollout, self.reduce_across_ranks, self.world_size,
@@ -427,24 +409,27 @@ class RLOOModule(LightningModule):
         advantages = rollout.token_advantages if rollout.token_advantages is not None else rollout.advantages
         if rollout.is_weights is not None:  # correction.level: w_i (or w_it) times (R_i - b_i), detached
             advantages = weighted_advantages(advantages, rollout.is_weights)
-        rollout.clip_stats = {}
-
-        def loss_of_rows(r: slice) -> tuple[Tensor, Tensor | None]:
-            micro_logp, micro_entropy = (logp, entropy) if logp is not None else self.logprobs(
-                self.policy, rollout, r, with_entropy=True)
-            loss, stats = self.policy_loss(
-                micro_logp, rollout.completion_mask[r] * rollout.keep[r, None], advantages[r], denominators,
-                None if rollout.old_logp is None else rollout.old_logp[r],
-                None if rollout.ref_logp is None else rollout.ref_logp[r], self.beta)
-            for name, (total, count) in stats.items():
-                s, n = rollout.clip_stats.get(name, (0.0, 0.0))
-                rollout.clip_stats[name] = (s + total, n + count)
-            return loss, micro_entropy
-
+        loss_mask = rollout.loss_mask
         scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer is not None else None
         self.grad_stash.grads = None
+        clip_stats, entropies, earlier = {}, [], None
         with self.timer("policy_forward"):
-            return micro_batched_loss(rollout, rows, loss_of_rows, self.grad_stash, self.policy, scaler)
+            for i, r in enumerate(rows):
+                micro_logp, micro_entropy = (logp, entropy) if logp is not None else self.logprobs(
+                    self.policy, rollout, r, with_entropy=True)
+                loss, stats = self.policy_loss(
+                    micro_logp, loss_mask[r], advantages[r], denominators,
+                    None if rollout.old_logp is None else rollout.old_logp[r],
+                    None if rollout.ref_logp is None else rollout.ref_logp[r], self.beta)
+                for name, (total, count) in stats.items():
+                    s, n = clip_stats.get(name, (0.0, 0.0))
+                    clip_stats[name] = (s + total, n + count)
+                entropies.append(micro_entropy)
+                if i < len(rows) - 1:
+                    self.grad_stash.backward_early(loss, self.policy, scaler)
+                    earlier = loss.detach() if earlier is None else earlier + loss.detach()
+        entropy = torch.cat(entropies) if entropies[0] is not None else None
+        return (loss if earlier is None else loss + earlier), entropy, clip_stats
 
     def informative_rollout(self, rollout: Rollout, num_groups: int) -> Rollout:
         """Dynamic sampling: extra rounds of prompts from the data module's ``sample_batch`` (``fill_informative``)."""
@@ -460,7 +445,7 @@ class RLOOModule(LightningModule):
             extra = {key: v.to(self.device) if isinstance(v, Tensor) else v for key, v in extra.items()}
             candidate = self.sample(extra, self.cfg.sampling.k, self.sampling_seed(f"dynamic{round_}", step))
             stop.end_step(self._trainer, "after generation")
-            self.score(candidate)
+            candidate.scores, candidate.rewards = self.score(candidate)
             return candidate
 
         rollout, stats = fill_informative(rollout, num_groups, self.cfg.dynamic_sampling, draw,
@@ -509,13 +494,8 @@ class RLOOModule(LightningModule):
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         if self.global_step > 0:
             stop.set_phase("train")  # a SIGTERM now: Lightning stops at this step's end and keeps it
-        kl, step = self.cfg.kl, self.global_step
-        if kl.ref_sync_steps and step > 0 and step % kl.ref_sync_steps == 0 and self.reference is not None:
-            # TR-DPO / TRL sync_ref_model: the reference trails the policy. At the start of the step (= after the
-            # previous optimizer step), so a checkpoint of the previous step and a run resumed from it mix alike.
-            # A sharded (FSDP2) policy's parameters are gathered first: the reference is replicated.
-            policy = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.policy.parameters()]
-            mix_into_reference(self.reference.parameters(), policy, kl.ref_sync_alpha)
+        if self.ref is not None:
+            self.ref.sync(self.policy, self.global_step, self.device)  # kl.ref_sync_steps: TR-DPO (reference.py)
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         stepped = self._trainer is None or ended_optimizer_step(self._trainer, batch_idx)
@@ -552,8 +532,8 @@ class RLOOModule(LightningModule):
                 checkpoint["rloo_moving_average"] = self.advantage_estimator.state_dict()
             if (stored := self.reuse.state_dict()) is not None:
                 checkpoint["rloo_rollout"] = stored  # between two updates on one rollout: the resumed run goes on
-            if self.cfg.kl.ref_sync_steps and self._ref is not None:
-                checkpoint["rloo_reference"] = self._ref.model.state_dict()  # it moves: keep it
+            if self.ref is not None and (state := self.ref.state_dict()) is not None:
+                checkpoint["rloo_reference"] = state  # kl.ref_sync_steps: it moves, keep it
         start_next_epoch(checkpoint.get("loops"))  # after an epoch's end: resumed, the next epoch starts afresh
         for key in self._frozen_base_keys():  # LoRA: the base is the model on disk; the checkpoint holds the adapter
             checkpoint["state_dict"].pop(key, None)
@@ -563,8 +543,8 @@ class RLOOModule(LightningModule):
         self.advantage_estimator.load_state_dict(checkpoint.get("rloo_moving_average", {}))
         if "rloo_rollout" in checkpoint:
             self.reuse.load_state_dict(checkpoint["rloo_rollout"])
-        if "rloo_reference" in checkpoint and self._ref is not None:
-            self._ref.model.load_state_dict(checkpoint["rloo_reference"])
+        if "rloo_reference" in checkpoint and self.ref is not None:
+            self.ref.load_state_dict(checkpoint["rloo_reference"])
         base = self._frozen_base_keys()  # configure_model has run: these are the base model's weights
         if base:
             current = self.state_dict()
@@ -594,7 +574,7 @@ class RLOOModule(LightningModule):
         random stream and val curves compare policies rather than noise."""
         v = self.cfg.validation
         sampled = self.sample(batch, v.num_samples, self.sampling_seed("val", batch_idx))
-        self.score(sampled, shape=False)
+        sampled.scores, sampled.rewards = self.score(sampled, shape=False)
         rewards = sampled.rewards.view(-1, v.num_samples)
         out = {"reward": rewards.nanmean(1)}
         successes = (rewards >= v.success_threshold).sum(1)
@@ -602,7 +582,7 @@ class RLOOModule(LightningModule):
             out[f"pass@{pk}"] = pass_at_k(successes, v.num_samples, pk)
         if v.greedy:
             greedy = self.sample(batch, 1, 0, greedy=True)
-            self.score(greedy, shape=False)
+            greedy.scores, greedy.rewards = self.score(greedy, shape=False)
             out["reward_greedy"] = greedy.rewards
             out["accuracy_greedy"] = (greedy.rewards >= v.success_threshold).float()
         return out
@@ -647,7 +627,7 @@ class RLOOModule(LightningModule):
         else:
             rollout = self.sample(batch, p.num_samples, self.sampling_seed("predict", batch_idx))
         if self.rewards is not None or self.episodes is not None:
-            self.score(rollout, shape=False)
+            rollout.scores, rollout.rewards = self.score(rollout, shape=False)
         return prediction_rows(rollout, batch["prompt"])
 
     def save_pretrained(self, directory: str) -> None:

@@ -570,7 +570,7 @@ class EpisodeSampler:
         """
         from rloo_lightning.engines import generates_synced
         from rloo_lightning.models import config_context
-        from rloo_lightning.rollout import Rollout, derive_seed
+        from rloo_lightning.rollout import Episodes, Rollout, normal_tensor, derive_seed, eos_list
 
         n = batch["input_ids"].shape[0]
         prompt_ids = batch["input_ids"].repeat_interleave(k, dim=0)
@@ -581,8 +581,7 @@ class EpisodeSampler:
         if "transcript" in columns:  # self.columns
             raise ValueError("the data set has a column 'transcript', which multi-turn rollouts fill with each "
                              "episode's messages: rename the column")
-        eos = generation_config.eos_token_id
-        eos = [eos] if isinstance(eos, int) else list(eos)
+        eos = eos_list(generation_config)
         fmt = self.turn_format(tokenizer)
         where = [f"prompt row {rows[i // k]} ({batch['prompt'][i // k]!r:.80}), sample {i % k}" for i in range(n * k)]
         budget = self.args.max_context_tokens or config_context(getattr(model, "config", None))
@@ -612,8 +611,7 @@ class EpisodeSampler:
             with grad_free:
                 out = engine.generate(model, tokenizer, ids, mask, generation_config,
                                       seed if turn == 0 else derive_seed(seed, "turn", turn))
-            return tuple(t.clone() if t.is_inference() else t for t in out) if isinstance(out, (tuple, list)) \
-                else (out.clone() if out.is_inference() else out)
+            return tuple(normal_tensor(t) for t in out) if isinstance(out, (tuple, list)) else normal_tensor(out)
 
         device = prompt_ids.device
         keep_going = None
@@ -648,22 +646,17 @@ class EpisodeSampler:
                                                     is not None else eos[0], device)
         final = [next((seg for seg, is_policy in reversed(ep.segments) if is_policy), []) for ep in episodes]
         transcripts = [list(ep.messages) for ep in episodes]
-        rollout = Rollout(
-            k=k, prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=ids, completion_mask=policy,
-            truncated=torch.tensor([ep.truncated for ep in episodes], device=device),
-            prompts=[p for p in batch["prompt"] for _ in range(k)],
-            completions=[next((m["content"] for m in reversed(ep.messages) if m["role"] == "assistant"), "")
-                         for ep in episodes],
-            columns={**{c: [v for v in values for _ in range(k)] for c, values in columns.items()},
-                     "transcript": transcripts},
-            sampler_logp=transcript_logps(episodes, ids.shape[1], device),
-            context_mask=context, final_turn_ids=final,
-            env_rewards=torch.tensor(env_rewards, dtype=torch.float32, device=device),
-            turns=torch.tensor([ep.turns for ep in episodes], device=device),
-            env_metrics={name: v.to(device) for name, v in env_metrics.items()},
-            cut_by=[ep.cut_by for ep in episodes],
-        )
-        return rollout
+        record = Episodes(context_mask=context, final_turn_ids=final,
+                          rewards=torch.tensor(env_rewards, dtype=torch.float32, device=device),
+                          turns=torch.tensor([ep.turns for ep in episodes], device=device),
+                          metrics={name: v.to(device) for name, v in env_metrics.items()},
+                          cut_by=[ep.cut_by for ep in episodes])
+        last_turns = [next((m["content"] for m in reversed(ep.messages) if m["role"] == "assistant"), "")
+                      for ep in episodes]
+        return Rollout.sampled(k, batch["input_ids"], batch["attention_mask"], batch["prompt"], columns, ids, policy,
+                               torch.tensor([ep.truncated for ep in episodes], device=device), last_turns,
+                               transcript_logps(episodes, ids.shape[1], device), record,
+                               sample_columns={"transcript": transcripts})
 
     def _close(self, episodes: Sequence[Episode], where: Sequence[str]) -> None:
         """Close every episode that was not abandoned; a failing close is logged, never raised (it must not hide

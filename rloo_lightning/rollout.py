@@ -12,57 +12,90 @@ from transformers import GenerationConfig
 from rloo_lightning.engines import GenerationEngine, HFGenerateEngine
 from rloo_lightning.logprobs import completion_mask
 
-__all__ = ["Rollout", "concat_groups", "sampling_config", "default_eos_ids", "derive_seed", "generate_rollout",
-           "stop_string_ends", "generation_configs"]
+__all__ = ["Rollout", "Episodes", "eos_list", "concat_groups", "sampling_config", "default_eos_ids", "derive_seed",
+           "generate_rollout", "stop_string_ends", "generation_configs", "normal_tensor"]
+
+
+@dataclass
+class Episodes:
+    """A multi-turn rollout's per-episode record (``environment.class_path``, :mod:`rloo_lightning.multiturn`).
+
+    Such a rollout holds each episode's whole transcript in ``completion_ids``; ``completion_mask`` is 1 only on
+    the tokens the policy sampled, so every loss and KL term covers those alone.
+
+    Attributes:
+        context_mask: ``[B, T]`` float, 1 on every transcript token (the policy's and the environment's).
+        final_turn_ids: each episode's last policy turn, as sampled (the reward functions' ``completion_ids``).
+        rewards: ``[B]`` the environment's reward of each episode (NaN: missing, ``environment.on_error``).
+        turns: ``[B]`` policy turns of each episode.
+        metrics: ``{name: [B]}`` the environment's per-episode metrics (``Environment.metric_names``; NaN for an
+            episode that failed), and the package's ``replies_cut``.
+        cut_by: each episode's truncation kind: ``none``, ``max_new_tokens`` (a turn without its end token),
+            ``max_turns``, ``context``.
+    """
+
+    context_mask: Tensor
+    final_turn_ids: list[list[int]]
+    rewards: Tensor
+    turns: Tensor
+    metrics: dict[str, Tensor]
+    cut_by: list[str]
+
+    def select(self, rows: list[int], width: int) -> Episodes:
+        """These rows, the context mask right-padded with 0 to ``width`` columns."""
+        pad = width - self.context_mask.shape[1]
+        return Episodes(context_mask=torch.nn.functional.pad(self.context_mask[rows], (0, pad)),
+                        final_turn_ids=[self.final_turn_ids[i] for i in rows], rewards=self.rewards[rows],
+                        turns=self.turns[rows], metrics={n: v[rows] for n, v in self.metrics.items()},
+                        cut_by=[self.cut_by[i] for i in rows])
+
+    @staticmethod
+    def cat(parts: list[Episodes]) -> Episodes:
+        return Episodes(context_mask=torch.cat([p.context_mask for p in parts]),
+                        final_turn_ids=[ids for p in parts for ids in p.final_turn_ids],
+                        rewards=torch.cat([p.rewards for p in parts]), turns=torch.cat([p.turns for p in parts]),
+                        metrics={n: torch.cat([p.metrics[n] for p in parts]) for n in parts[0].metrics},
+                        cut_by=[kind for p in parts for kind in p.cut_by])
 
 
 @dataclass
 class Rollout:
     """One rollout: ``B = N*k`` completions, prompt-major (the k samples of prompt p at p*k..p*k+k-1).
 
-    Callbacks see this record between scoring and the loss (:class:`rloo_lightning.callbacks.RolloutHook`)
-    and may edit ``rewards`` or ``keep``.
+    Built once by :meth:`sampled` (single- and multi-turn alike); each later field is assigned by one step of
+    ``RLOOModule.training_step`` / ``rollout_loss``, named below. Callbacks see the record between step 4 and the
+    baseline (:class:`rloo_lightning.callbacks.RolloutHook`) and may edit ``keep`` or ``baseline_rewards``.
 
     Attributes:
         k: samples per prompt.
         prompt_ids, prompt_mask: ``[B, P]`` left-padded prompt tokens (each prompt repeated k times).
         completion_ids: ``[B, T]`` sampled tokens (padding after the end).
         completion_mask: ``[B, T]`` float, 1 up to and including the first EOS.
-        truncated: ``[B]`` bool, no EOS within ``max_new_tokens``.
-        prompts, completions: ``B`` strings (completion text without the EOS).
-        columns: the dataset's extra columns, each a list of ``B`` values.
-        scores: ``{reward name: [B]}`` per reward function (NaN: no reward).
-        rewards: ``[B]`` the task reward r (weighted sum of ``scores``), before any KL term.
-        kl: ``[B]`` sequence KL log pi(y)/pi_ref(y) (detached), or None when beta == 0.
-        token_kl: ``[B, T]`` per-token ``logp - ref_logp`` (detached, 0 off the mask), or None.
-        shaped_rewards: ``[B]`` the reward the advantages are computed from (r - beta*kl by default).
-        keep: ``[B]`` bool; rows set False by a callback leave the loss (advantage 0) and the
-            loss is averaged over the kept rows.
-        advantages: ``[B]`` leave-one-out advantages (set after the ``on_rollout`` hooks).
-        token_advantages: ``[B, T]`` per-token advantages (``kl.placement: token_reward`` only).
-        ref_logp: ``[B, T]`` reference log-probs (None when beta == 0).
-        old_logp: ``[B, T]`` the sampling policy's log-probs, set after the first update when the
-            rollout is reused (``update.updates_per_rollout > 1``); the later updates' importance ratio.
-        clip_stats: ``{name: (sum, count)}`` clip fractions of a reused rollout's update.
+        truncated: ``[B]`` bool, no EOS within ``max_new_tokens`` (an episode: cut for any reason, see
+            ``episodes.cut_by``).
+        prompts, completions: ``B`` strings (completion text without the EOS; an episode's: its last policy turn).
+        columns: the dataset's extra columns, each a list of ``B`` values (an episode's: also ``transcript``).
         sampler_logp: ``[B, T]`` log pi_s of each sampled token under the engine's own distribution (0 off the
             mask), when the engine reports it; None for an engine that samples from pi_theta itself.
-        mismatch: ``{name: (sum, count)}`` of :func:`~rloo_lightning.correction.mismatch_sums` (with ``sampler_logp``).
-        is_weights: ``[B]`` or ``[B, T]`` detached importance weights pi_theta/pi_s (``correction.level``), else None.
-
-    A multi-turn rollout (``environment.class_path``, :mod:`rloo_lightning.multiturn`) holds each episode's whole
-    transcript in ``completion_ids``; ``completion_mask`` is 1 only on the tokens the policy sampled, so every loss
-    and KL term covers those alone. ``completions`` are the episodes' last policy turns (what reward functions
-    score) and ``columns["transcript"]`` their messages. Besides:
-
-    Attributes:
-        context_mask: ``[B, T]`` float, 1 on every transcript token (the policy's and the environment's).
-        final_turn_ids: each episode's last policy turn, as sampled (the reward functions' ``completion_ids``).
-        env_rewards: ``[B]`` the environment's reward of each episode (NaN: missing, ``environment.on_error``).
-        turns: ``[B]`` policy turns of each episode.
-        env_metrics: ``{name: [B]}`` the environment's per-episode metrics (``Environment.metric_names``; NaN for
-            an episode that failed), and the package's ``replies_cut``.
-        cut_by: each episode's ``cut_by`` (``none``, ``max_new_tokens``, ``max_turns``, ``context``); None for a
-            single-turn rollout, whose ``truncated`` is its missing EOS.
+        episodes: the per-episode record of a multi-turn rollout (:class:`Episodes`), None for a single-turn one.
+        scores: step 2, ``{reward name: [B]}`` per reward function (NaN: no reward).
+        rewards: step 2, ``[B]`` the task reward r: the weighted sum of ``scores`` (plus the environment's), with
+            the ``shaping`` penalties; no KL term.
+        ref_logp: step 3, ``[B, T]`` reference log-probs (None when beta == 0).
+        token_kl, kl: step 4, ``[B, T]`` per-token ``logp - ref_logp`` (detached, 0 off the mask) and ``[B]`` its
+            sum, the sequence KL log pi(y)/pi_ref(y); None when beta == 0.
+        baseline_rewards: step 4, ``[B]`` the reward R the baseline and advantages are computed from: ``r - beta*kl``
+            (``kl.placement: reward``, the paper) or ``r``, standardised if ``advantage.normalize_rewards``.
+        mismatch: step 3b, ``{name: (sum, count)}`` of :func:`~rloo_lightning.correction.mismatch_sums`.
+        is_weights: step 3b, ``[B]`` or ``[B, T]`` detached importance weights pi_theta/pi_s
+            (``correction.level``), else None.
+        keep: step 5, ``[B]`` bool; rows set False (by ``shaping.mask_truncated_completions`` or a callback) leave
+            the loss (advantage 0), which is averaged over the kept rows.
+        advantages: step 5, ``[B]`` advantages. token_advantages: step 5, ``[B, T]`` (``kl.placement:
+            token_reward`` only).
+        clip_stats: step 6, ``{name: (sum, count)}`` clip fractions of a reused rollout's update.
+        old_logp: step 6, ``[B, T]`` the sampling policy's log-probs, kept after the first update when the rollout
+            is reused (``update.updates_per_rollout > 1``): the later updates' importance ratio.
     """
 
     k: int
@@ -74,54 +107,123 @@ class Rollout:
     prompts: list[str]
     completions: list[str]
     columns: dict[str, list] = field(default_factory=dict)
+    sampler_logp: Tensor | None = None
+    episodes: Episodes | None = None
     scores: dict[str, Tensor] = field(default_factory=dict)
     rewards: Tensor | None = None
-    kl: Tensor | None = None
+    ref_logp: Tensor | None = None
     token_kl: Tensor | None = None
-    shaped_rewards: Tensor | None = None
+    kl: Tensor | None = None
+    baseline_rewards: Tensor | None = None
+    mismatch: dict = field(default_factory=dict)
+    is_weights: Tensor | None = None
     keep: Tensor | None = None
     advantages: Tensor | None = None
     token_advantages: Tensor | None = None
-    ref_logp: Tensor | None = None
-    old_logp: Tensor | None = None
     clip_stats: dict = field(default_factory=dict)
-    sampler_logp: Tensor | None = None
-    mismatch: dict = field(default_factory=dict)
-    is_weights: Tensor | None = None
-    context_mask: Tensor | None = None
-    final_turn_ids: list[list[int]] | None = None
-    env_rewards: Tensor | None = None
-    turns: Tensor | None = None
-    env_metrics: dict[str, Tensor] = field(default_factory=dict)
-    cut_by: list[str] | None = None
+    old_logp: Tensor | None = None
+
+    @classmethod
+    def sampled(cls, k: int, prompt_ids: Tensor, prompt_mask: Tensor, prompts: list[str], columns: dict[str, list],
+                completion_ids: Tensor, completion_mask: Tensor, truncated: Tensor, completions: list[str],
+                sampler_logp: Tensor | None = None, episodes: Episodes | None = None,
+                sample_columns: dict[str, list] | None = None, source: str = "the engine") -> Rollout:
+        """The one constructor: a rollout of ``k`` samples for each of ``N`` prompts.
+
+        Args:
+            prompt_ids, prompt_mask: ``[N, P]`` left-padded prompts, repeated here k times (prompt-major).
+            prompts, columns: ``N`` prompt strings and the data's columns (``N`` values each), repeated alike.
+            completion_ids, completion_mask, truncated: ``[B, T]``, ``[B, T]``, ``[B]``.
+            completions: ``B`` strings.
+            sampler_logp: ``[B, T]`` the engine's log-probs or None; set to 0 off the mask, where -inf (a pad the
+                sampler ruled out) may stand.
+            episodes: a multi-turn rollout's :class:`Episodes`.
+            sample_columns: columns of ``B`` values, one per sample (an episode's ``transcript``).
+            source: what sampled, for the error on misshapen log-probs.
+
+        Tensors made under ``torch.inference_mode`` (an engine's output) are copied out: the loss's autograd
+        graph uses them later, which inference tensors cannot enter.
+        """
+        if sampler_logp is not None:
+            if sampler_logp.shape != completion_ids.shape:
+                raise ValueError(f"{source} returned log-probs of shape {tuple(sampler_logp.shape)} for ids of "
+                                 f"shape {tuple(completion_ids.shape)}")
+            sampler_logp = torch.where(completion_mask.bool(), normal_tensor(sampler_logp).float(),
+                                       torch.zeros_like(completion_mask))
+        return cls(
+            k=k,
+            prompt_ids=prompt_ids.repeat_interleave(k, dim=0),
+            prompt_mask=prompt_mask.repeat_interleave(k, dim=0),
+            completion_ids=normal_tensor(completion_ids),
+            completion_mask=completion_mask,
+            truncated=truncated,
+            prompts=[p for p in prompts for _ in range(k)],
+            completions=completions,
+            columns={**{name: [v for v in values for _ in range(k)] for name, values in columns.items()},
+                     **(sample_columns or {})},
+            sampler_logp=sampler_logp,
+            episodes=episodes,
+        )
+
+    @classmethod
+    def from_state(cls, fields: dict) -> Rollout:
+        """A rollout from ``dataclasses.asdict`` of one (a checkpoint's stored rollout, ``RolloutReuse``)."""
+        fields = dict(fields)
+        # the earlier layout (a flat record, ``shaped_rewards``), as a checkpoint written by it stores it
+        if "shaped_rewards" in fields:
+            fields["baseline_rewards"] = fields.pop("shaped_rewards")
+        flat = {"context_mask": "context_mask", "final_turn_ids": "final_turn_ids", "env_rewards": "rewards",
+                "turns": "turns", "env_metrics": "metrics", "cut_by": "cut_by"}
+        old = {new: fields.pop(name) for name, new in flat.items() if name in fields}
+        if old.get("context_mask") is not None:
+            fields["episodes"] = old
+        if isinstance(fields.get("episodes"), dict):
+            fields["episodes"] = Episodes(**fields["episodes"])
+        return cls(**fields)
 
     @property
     def num_prompts(self) -> int:
         return self.completion_ids.shape[0] // self.k
 
     @property
+    def loss_mask(self) -> Tensor:
+        """``[B, T]`` the tokens the loss and its denominators cover: the completion mask of the kept rows."""
+        return self.completion_mask if self.keep is None else self.completion_mask * self.keep[:, None]
+
+    @property
     def missing_eos(self) -> Tensor:
         """``[B]`` bool: the completion (an episode: one of its turns) ended without an end-of-turn token. For a
         single-turn rollout this is ``truncated``; an episode cut by ``max_turns`` or the context budget has its
         end tokens and is not counted."""
-        if self.cut_by is None:
+        if self.episodes is None:
             return self.truncated
-        return torch.tensor([kind == "max_new_tokens" for kind in self.cut_by], device=self.truncated.device)
+        return torch.tensor([kind == "max_new_tokens" for kind in self.episodes.cut_by],
+                            device=self.truncated.device)
 
     def completion_token_lists(self) -> list[list[int]]:
         """Each completion's token ids, up to and including its EOS (an episode's: its last policy turn)."""
-        if self.final_turn_ids is not None:
-            return [list(ids) for ids in self.final_turn_ids]
+        if self.episodes is not None:
+            return [list(ids) for ids in self.episodes.final_turn_ids]
         lengths = self.completion_mask.sum(1).long().tolist()
         return [row[:n] for row, n in zip(self.completion_ids.tolist(), lengths)]
+
+
+def normal_tensor(t: Tensor) -> Tensor:
+    """``t``, copied out of inference mode if it was made there."""
+    return t.clone() if t.is_inference() else t
+
+
+def eos_list(generation_config: GenerationConfig) -> list[int]:
+    """The config's end-of-sequence ids as a list (transformers allows an int or a list)."""
+    eos = generation_config.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos)
 
 
 def concat_groups(parts: list[tuple[Rollout, list[int]]], pad_token_id: int) -> Rollout:
     """A scored rollout made of chosen prompt groups of several scored rollouts, in order.
 
     Prompts stay left-padded and completions right-padded to the widest part; only the fields
-    set before the loss (ids, masks, texts, columns, scores, rewards, and a multi-turn rollout's episode fields) are
-    carried.
+    set before the loss (the sample, its episodes, scores and rewards) are carried.
 
     Args:
         parts: ``(rollout, group indices)`` pairs; every rollout has the same ``k`` and columns.
@@ -140,7 +242,7 @@ def concat_groups(parts: list[tuple[Rollout, list[int]]], pad_token_id: int) -> 
                                               value=value) for p in pieces]
         return torch.cat(pieces)
 
-    names = list(rows[0][0].scores)
+    first = rows[0][0]
     return Rollout(
         k=k,
         prompt_ids=cat(lambda r: r.prompt_ids, prompt_w, pad_token_id, left=True),
@@ -150,17 +252,12 @@ def concat_groups(parts: list[tuple[Rollout, list[int]]], pad_token_id: int) -> 
         truncated=cat(lambda r: r.truncated),
         prompts=[r.prompts[i] for r, idx in rows for i in idx],
         completions=[r.completions[i] for r, idx in rows for i in idx],
-        columns={c: [r.columns[c][i] for r, idx in rows for i in idx] for c in rows[0][0].columns},
-        scores={n: cat(lambda r, n=n: r.scores[n]) for n in names},
+        columns={c: [r.columns[c][i] for r, idx in rows for i in idx] for c in first.columns},
+        sampler_logp=None if first.sampler_logp is None else cat(lambda r: r.sampler_logp, comp_w, 0.0),
+        episodes=None if first.episodes is None else Episodes.cat([r.episodes.select(idx, comp_w)
+                                                                   for r, idx in rows]),
+        scores={n: cat(lambda r, n=n: r.scores[n]) for n in first.scores},
         rewards=cat(lambda r: r.rewards),
-        sampler_logp=None if rows[0][0].sampler_logp is None else cat(lambda r: r.sampler_logp, comp_w, 0.0),
-        context_mask=None if rows[0][0].context_mask is None else cat(lambda r: r.context_mask, comp_w, 0),
-        final_turn_ids=None if rows[0][0].final_turn_ids is None else [r.final_turn_ids[i] for r, idx in rows
-                                                                       for i in idx],
-        env_rewards=None if rows[0][0].env_rewards is None else cat(lambda r: r.env_rewards),
-        turns=None if rows[0][0].turns is None else cat(lambda r: r.turns),
-        env_metrics={n: cat(lambda r, n=n: r.env_metrics[n]) for n in rows[0][0].env_metrics},
-        cut_by=None if rows[0][0].cut_by is None else [r.cut_by[i] for r, idx in rows for i in idx],
     )
 
 
@@ -309,22 +406,14 @@ def generate_rollout(
             ``torch.inference_mode`` for an unsharded policy). Its ids are copied out of it: tensors
             made here enter the autograd graph later, which inference tensors cannot.
     """
-    prompt_ids = input_ids.repeat_interleave(k, dim=0)
-    prompt_mask = attention_mask.repeat_interleave(k, dim=0)
     engine = engine or HFGenerateEngine()
+    prompt_ids, prompt_mask = input_ids.repeat_interleave(k, dim=0), attention_mask.repeat_interleave(k, dim=0)
     with grad_free if grad_free is not None else torch.no_grad():
         completion_ids = engine.generate(model, tokenizer, prompt_ids, prompt_mask, generation_config, seed)
     sampler_logp = None
     if isinstance(completion_ids, (tuple, list)):  # the engine reported log pi_s of what it sampled
         completion_ids, sampler_logp = completion_ids
-        if sampler_logp.shape != completion_ids.shape:
-            raise ValueError(f"{type(engine).__name__}.generate returned log-probs of shape "
-                             f"{tuple(sampler_logp.shape)} for ids of shape {tuple(completion_ids.shape)}")
-        sampler_logp = sampler_logp.clone() if sampler_logp.is_inference() else sampler_logp
-    if completion_ids.is_inference():
-        completion_ids = completion_ids.clone()
-    eos = generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos)
+    eos = eos_list(generation_config)
     mask = completion_mask(completion_ids, eos)
     # Ended by EOS: an EOS inside the mask (after a stop string, generate pads, and pad may be EOS).
     ended = (torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device)) & mask.bool()).any(1)
@@ -335,22 +424,8 @@ def generate_rollout(
         positions = torch.arange(mask.shape[1], device=mask.device)
         mask = torch.where(stopped[:, None], (positions[None] < ends[:, None]).float(), mask)
         ended = ended | stopped
-    truncated = ~ended
-    if sampler_logp is not None:  # 0 off the mask, where -inf (a pad the sampler ruled out) may stand
-        sampler_logp = torch.where(mask.bool(), sampler_logp.float(), torch.zeros_like(mask))
-    rollout = Rollout(
-        k=k,
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        completion_ids=completion_ids,
-        completion_mask=mask,
-        truncated=truncated,
-        prompts=[p for p in prompts for _ in range(k)],
-        completions=[],
-        columns={name: [v for v in values for _ in range(k)] for name, values in columns.items()},
-        sampler_logp=sampler_logp,
-    )
-    rollout.completions = tokenizer.batch_decode(
-        rollout.completion_token_lists(), skip_special_tokens=True
-    )
-    return rollout
+    lengths = mask.sum(1).long().tolist()
+    texts = tokenizer.batch_decode([row[:n] for row, n in zip(completion_ids.tolist(), lengths)],
+                                   skip_special_tokens=True)
+    return Rollout.sampled(k, input_ids, attention_mask, prompts, columns, completion_ids, mask, ~ended, texts,
+                           sampler_logp, source=f"{type(engine).__name__}.generate")

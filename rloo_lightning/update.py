@@ -14,8 +14,7 @@ from torch import Tensor
 
 from rloo_lightning.rollout import Rollout
 
-__all__ = ["NonFiniteError", "NonFiniteGuard", "GradientStash", "RolloutReuse", "micro_batches", "micro_batched_loss",
-           "loss_denominators"]
+__all__ = ["NonFiniteError", "NonFiniteGuard", "GradientStash", "RolloutReuse", "micro_batches", "loss_denominators"]
 
 
 class NonFiniteError(FloatingPointError):
@@ -105,7 +104,7 @@ class RolloutReuse:
         return {"updates": self.updates, "fields": dataclasses.asdict(self.stored)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.stored, self.updates = Rollout(**state["fields"]), state["updates"]
+        self.stored, self.updates = Rollout.from_state(state["fields"]), state["updates"]
 
 
 def loss_denominators(rollout: Rollout, reduce, world_size: int, norm_constant: float) -> dict:
@@ -115,29 +114,10 @@ def loss_denominators(rollout: Rollout, reduce, world_size: int, norm_constant: 
     DDP averages gradients over ranks, so each rank divides its sum by (global count / world size). If
     nothing is kept the loss is an exact zero that still touches the graph (no DDP hang). One all-reduce.
     """
-    kept = torch.stack([rollout.keep.sum().float(), (rollout.completion_mask * rollout.keep[:, None]).sum()])
+    kept = torch.stack([rollout.keep.sum().float(), rollout.loss_mask.sum()])
     sequences, tokens = reduce(kept, "sum") / world_size
     return {"num_sequences": torch.where(sequences > 0, sequences, torch.ones_like(sequences)),
             "num_tokens": tokens.clamp(min=1e-8), "norm_constant": norm_constant}
-
-
-def micro_batched_loss(rollout: Rollout, rows: list[slice], loss_of_rows, stash: GradientStash, model, scaler=None
-                       ) -> tuple[Tensor, Tensor | None]:
-    """Step 6 one micro-batch at a time: the same loss and gradient as the whole rollout at once.
-
-    ``loss_of_rows(rows) -> (loss, entropy)`` is one micro-batch's loss (with grad) and entropies.
-    Every micro-batch but the last is differentiated here and its gradient held in ``stash``; the last
-    one's loss is returned for Lightning's backward, plus the others' values (detached) so that the
-    logged loss is the total.
-    """
-    entropies, earlier = [], None
-    for i, r in enumerate(rows):
-        loss, entropy = loss_of_rows(r)
-        entropies.append(entropy)
-        if i < len(rows) - 1:
-            stash.backward_early(loss, model, scaler)
-            earlier = loss.detach() if earlier is None else earlier + loss.detach()
-    return (loss if earlier is None else loss + earlier), (torch.cat(entropies) if entropies[0] is not None else None)
 
 
 class NonFiniteGuard:

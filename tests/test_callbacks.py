@@ -100,11 +100,11 @@ def test_filter_all_dropped_gives_zero_loss_that_touches_the_graph(tiny_model_di
     assert all(torch.count_nonzero(g) == 0 for g in grads)  # backward ran, every param got a (zero) grad
 
 
-def test_filter_signal_shaped_keeps_groups_whose_kl_differs(tiny_model_dir):
+def test_filter_signal_baseline_keeps_groups_whose_kl_differs(tiny_model_dir):
     module = _module(tiny_model_dir)
     _perturb(module, 0.05)
     rollout = _rollout(module, ["abc=", "bca="], [0.5] * 6)
-    flt = ZeroVarianceFilter(signal="shaped")
+    flt = ZeroVarianceFilter(signal="baseline")
     _grads(module, rollout, [flt])
     # r is constant but r - beta*KL is not (sampled completions differ): nothing dropped
     assert rollout.keep.all() and flt.dropped_groups == 0 and flt.seen_groups == 2

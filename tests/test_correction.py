@@ -91,7 +91,7 @@ def test_engine_logprobs_are_those_of_the_distribution_it_sampled(tiny_model_dir
     torch.testing.assert_close(rollout.sampler_logp[mask], at_sampler[mask], rtol=0, atol=1e-4)
     assert (rollout.sampler_logp[~mask] == 0).all()
     if sampler_temperature is None:  # the fp32 engine is pi_theta: the diagnostics say so
-        module.correct_sampler(rollout, module.logprobs(module.policy, rollout)[0].detach())
+        rollout.mismatch, _ = module.correct_sampler(rollout, module.logprobs(module.policy, rollout)[0].detach())
         k3, ratio = rollout.mismatch["mismatch/kl_k3"], rollout.mismatch["mismatch/ratio_outside_0.9_1.1"]
         assert float(k3[0] / k3[1]) < 1e-8 and float(ratio[0]) == 0
 

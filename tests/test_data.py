@@ -307,7 +307,7 @@ def test_reward_wrong_count_through_the_module_by_import_path(tiny_model_dir):
                       completion_mask=torch.ones(2, 2), truncated=torch.zeros(2, dtype=torch.bool),
                       prompts=["a=", "a="], completions=["a", "b"])
     with pytest.raises(ValueError, match="too_few_values"):
-        module.score(rollout)
+        rollout.scores, rollout.rewards = module.score(rollout)
 
 
 def test_reward_weights_length_mismatch_raises():

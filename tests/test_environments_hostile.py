@@ -110,9 +110,9 @@ def test_every_call_is_guarded_and_on_error_applies_to_all(caplog):
                                             r"Returns.reset failed on prompt row \d+ .*sample 0, at reset: "
                                             r"ConnectionError: the sandbox did not start"):
         rollout = m.sample(_guess_batch(tok := model[0]), 2, seed=0)
-    assert rollout.env_rewards.tolist()[::2] == [-2.0] * 3 and rollout.turns.tolist()[::2] == [0] * 3
+    assert rollout.episodes.rewards.tolist()[::2] == [-2.0] * 3 and rollout.episodes.turns.tolist()[::2] == [0] * 3
     assert sum(c[0] == "metrics" for c in Returns.calls) == 3  # the three that did not fail
-    assert torch.isnan(rollout.env_metrics["m"][::2]).all() and (rollout.env_metrics["m"][1::2] == 1).all()
+    assert torch.isnan(rollout.episodes.metrics["m"][::2]).all() and (rollout.episodes.metrics["m"][1::2] == 1).all()
     assert sum(c[0] == "close" for c in Returns.calls) == 6  # every episode is closed
     # final_reward NaN, metrics of the wrong kind: errors under on_error, never silent
     for init_args, pattern in [({"final": math.nan}, r"Returns.final_reward returned nan on .*after turn 1; a reward "
@@ -123,7 +123,7 @@ def test_every_call_is_guarded_and_on_error_applies_to_all(caplog):
         m = _returns(model, on_error="none", answer="default", **init_args)
         with pytest.warns(EpisodeWarning, match=pattern):
             rollout = m.sample(_guess_batch(tok), 2, seed=0)
-        assert torch.isnan(rollout.env_rewards).all()
+        assert torch.isnan(rollout.episodes.rewards).all()
         with pytest.raises(EpisodeError, match=pattern):
             _returns(model, on_error="raise", answer="default", **init_args).sample(_guess_batch(tok), 2, seed=0)
 
@@ -139,7 +139,7 @@ def test_one_warning_line_per_step_and_every_failure_in_the_log(caplog):
     records = [r for r in caplog.records if r.name.startswith("rloo_lightning") and "Returns.step" in r.getMessage()]
     assert len(records) == 12 and {r.getMessage().split(", turn")[0][-8:] for r in records} == {
         f"sample {j}" for j in range(4)}
-    assert torch.isnan(rollout.env_rewards).all()
+    assert torch.isnan(rollout.episodes.rewards).all()
 
 
 # -- 3. truncation defined once: cut_by ----------------------------------------------------------------------------
@@ -157,8 +157,8 @@ def test_an_episode_cut_by_max_turns_has_its_end_tokens_and_no_missing_eos_penal
                 sampling={"k": 2, "max_new_tokens": 6, "eos_token_ids": list(range(2, 10))},
                 shaping={"missing_eos_penalty": 1.0})
     rollout = m.sample(_guess_batch(tok), 2, seed=0)
-    m.score(rollout)
-    cut = [c for c in rollout.cut_by]
+    rollout.scores, rollout.rewards = m.score(rollout)
+    cut = [c for c in rollout.episodes.cut_by]
     assert set(cut) <= {"max_turns", "max_new_tokens"} and "max_turns" in cut
     by_turns = torch.tensor([c == "max_turns" for c in cut])
     assert rollout.truncated.all() and not rollout.missing_eos[by_turns].any()
@@ -180,9 +180,9 @@ def test_mask_truncated_completions_drops_every_cut_episode():
                 sampling={"k": 4, "max_new_tokens": 3, "eos_token_ids": [2, 8]},
                 shaping={"mask_truncated_completions": True})
     rollout = m.sample(_guess_batch(tok), 4, seed=1)
-    m.score(rollout)
+    rollout.scores, rollout.rewards = m.score(rollout)
     m.rollout_loss(rollout)
-    cut = torch.tensor([c != "none" for c in rollout.cut_by])
+    cut = torch.tensor([c != "none" for c in rollout.episodes.cut_by])
     assert cut.any() and (~cut).any()
     assert torch.equal(rollout.keep, ~cut) and (rollout.advantages[cut] == 0).all()
 
@@ -250,7 +250,7 @@ def test_concurrent_calls_give_transcripts_bit_identical_to_a_serial_run():
         runs.append(m.sample(_guess_batch(tok), 4, seed=7))
     for other in runs[1:]:
         assert torch.equal(runs[0].completion_ids, other.completion_ids)
-        assert torch.equal(runs[0].env_rewards, other.env_rewards)
+        assert torch.equal(runs[0].episodes.rewards, other.episodes.rewards)
         assert runs[0].columns["transcript"] == other.columns["transcript"]
 
 
@@ -269,14 +269,14 @@ def test_the_context_budget_defaults_to_the_models_context_and_a_huge_reply_is_c
     rollout = m.sample(_guess_batch(tok), 2, seed=0)
     replies = [t[1]["content"] for t in rollout.columns["transcript"] if len(t) > 1]
     assert replies and all(r == "abababab" for r in replies)
-    assert rollout.env_metrics["replies_cut"].max() == 1
-    assert rollout.prompt_mask.sum(1).max() + rollout.context_mask.sum(1).max() <= 40
+    assert rollout.episodes.metrics["replies_cut"].max() == 1
+    assert rollout.prompt_mask.sum(1).max() + rollout.episodes.context_mask.sum(1).max() <= 40
     # with a budget under the second turn, every episode that got past its first is cut by the model's context
     small = _module(*reversed(_tiny(max_position_embeddings=16)), {
         "class_path": f"{HERE}.Floods", "max_turns": 2, "reply_format": "|{content}=", "max_reply_tokens": 8},
         sampling={"k": 2, "max_new_tokens": 6, "eos_token_ids": [2, 8, 9]})
     cut = small.sample(_guess_batch(tok), 2, seed=0)
-    assert "context" in cut.cut_by and cut.turns.max() == 1
+    assert "context" in cut.episodes.cut_by and cut.episodes.turns.max() == 1
 
 
 # -- 8. checked early -------------------------------------------------------------------------------------------------
@@ -348,4 +348,4 @@ def test_tool_calls_of_concurrent_episodes_share_the_worker_safely():
         runs.append(m.sample(batch, 4, seed=0))
     assert runs[0].columns["transcript"] == runs[1].columns["transcript"]
     assert [t[1]["content"] for t in runs[1].columns["transcript"]] == ["42"] * 4
-    assert (runs[1].env_metrics["tool_calls"] == 2).all() and (runs[1].env_metrics["tool_errors"] == 0).all()
+    assert (runs[1].episodes.metrics["tool_calls"] == 2).all() and (runs[1].episodes.metrics["tool_errors"] == 0).all()

@@ -21,6 +21,7 @@ import rloo_lightning.multiturn as multiturn_py
 import rloo_lightning.rewards.reward_set as reward_set_py
 import rloo_lightning.rollout as rollout_py
 from rloo_lightning import advantages as advantages_py
+from rloo_lightning import kl as kl_py
 from rloo_lightning import logprobs as logprobs_py
 from rloo_lightning import losses as losses_py
 from rloo_lightning.exactness import (
@@ -140,7 +141,7 @@ def check_missing_reward_is_left_out_of_the_baseline(toy) -> None:
     values = iter([1.0, None, 3.0, 5.0] * 3)
     module.rewards.funcs[0] = lambda prompts, completions, completion_ids, **c: [next(values) for _ in prompts]
     rollout = module.sample(toy_batch(toy, 1), 4, seed=0)
-    module.score(rollout)
+    rollout.scores, rollout.rewards = module.score(rollout)
     module.rollout_loss(rollout)
     torch.testing.assert_close(rollout.advantages, torch.tensor([1 - 4.0, 0.0, 3 - 3.0, 5 - 2.0] * 3))
 
@@ -189,9 +190,9 @@ BUGS = {
                                                 ".float()")))],
     "KL not detached": [
         (module_py.RLOOModule, "rollout_loss", lambda f: _mutated(
-            f, ("rollout.rewards, logp.detach(), rollout.ref_logp", "rollout.rewards, logp, rollout.ref_logp"))),
+            f, ("None if logp is None else logp.detach()", "logp"))),
         (losses_py.PolicyLoss, "__call__", lambda f: _mutated(f, ("-advantages.detach()", "-advantages")))],
-    "KL sign flipped": [(module_py, "fold_kl", lambda f: _mutated(f, ("rewards - beta * kl", "rewards + beta * kl")))],
+    "KL sign flipped": [(kl_py, "fold_kl", lambda f: _mutated(f, ("rewards - beta * kl", "rewards + beta * kl")))],
     "log-probs at temperature 1": [(module_py.RLOOModule, "logprobs", lambda f: _mutated(
         f, ("self.cfg.sampling.temperature", "1.0")))],
     "logits shifted by one": [(logprobs_py, "completion_logits", lambda f: _mutated(
@@ -201,8 +202,8 @@ BUGS = {
     "token mean instead of sequence sum": [(losses_py.PolicyLoss, "__call__", lambda f: _mutated(
         f, ("loss = aggregate_token_loss(per_token, mask, self.aggregation,",
             "loss = aggregate_token_loss(per_token, mask, 'token_mean',")))],
-    "advantage of the unshaped reward": [(module_py.RLOOModule, "compute_advantages", lambda f: _mutated(
-        f, ("self.advantage_estimator(rollout.shaped_rewards,", "self.advantage_estimator(rollout.rewards,")))],
+    "advantage of the unshaped reward": [(module_py.RLOOModule, "rollout_loss", lambda f: _mutated(
+        f, ("self.advantage_estimator(rollout.baseline_rewards,", "self.advantage_estimator(rollout.rewards,")))],
     "missing reward counted as 0": [(reward_set_py, "to_floats", lambda f: _mutated(
         f, ("out.append(math.nan)", "out.append(0.0)")))],
 }
@@ -286,15 +287,15 @@ def _environment_tokens_as_policy_tokens(monkeypatch, loss: bool, kl: bool):
 
     def widened(self, *args, **kwargs):
         rollout = sample(self, *args, **kwargs)
-        last["context"] = rollout.context_mask
+        last["context"] = rollout.episodes.context_mask
         if loss:
-            rollout.completion_mask = rollout.context_mask
+            rollout.completion_mask = rollout.episodes.context_mask
         return rollout
 
     monkeypatch.setattr(multiturn_py.EpisodeSampler, "sample", widened)
     if kl:
-        fold = module_py.fold_kl
-        monkeypatch.setattr(module_py, "fold_kl", lambda rewards, logp, ref, mask, *a: fold(
+        fold = kl_py.fold_kl  # what KLTerm.fold calls
+        monkeypatch.setattr(kl_py, "fold_kl", lambda rewards, logp, ref, mask, *a: fold(
             rewards, logp, ref, last["context"], *a))
 
 

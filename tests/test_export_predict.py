@@ -119,7 +119,7 @@ def test_test_evaluates_the_test_file_with_the_validation_metrics(trained, tiny_
     # the greedy reward is that of the greedy completions of those three prompts
     batch = data._collate()(data.test_rows)
     greedy = module.sample(batch, 1, 0, greedy=True)
-    module.score(greedy, shape=False)
+    greedy.scores, greedy.rewards = module.score(greedy, shape=False)
     assert result["test/reward_greedy"] == pytest.approx(greedy.rewards.mean().item(), abs=1e-6)
 
 

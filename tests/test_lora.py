@@ -35,7 +35,7 @@ def _perturb_adapter(module, seed: int = 0) -> None:
 
 def test_only_the_adapter_trains_and_no_reference_copy_is_made(tiny_model_dir):
     module = _module(tiny_model_dir)
-    assert module._ref is None and module.has_reference
+    assert module.ref is not None and module.ref.copy is None  # the policy with its adapter off
     trainable = [n for n, p in module.policy.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     # one copy of the base weights is resident: total parameter bytes = base + adapter

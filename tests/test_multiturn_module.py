@@ -78,20 +78,20 @@ def test_the_transcript_is_the_completion_and_only_policy_tokens_are_in_the_mask
     tok, model = guess_model
     m = _module(model, tok, GUESS_ENV)
     rollout = m.sample(_guess_batch(tok), 4, seed=5)
-    m.score(rollout)
-    env_tokens = rollout.context_mask - rollout.completion_mask
-    assert (env_tokens >= 0).all() and env_tokens.sum() > 0 and (rollout.turns == 2).sum() >= 6
+    rollout.scores, rollout.rewards = m.score(rollout)
+    env_tokens = rollout.episodes.context_mask - rollout.completion_mask
+    assert (env_tokens >= 0).all() and env_tokens.sum() > 0 and (rollout.episodes.turns == 2).sum() >= 6
     for i in range(12):
         transcript = rollout.columns["transcript"][i]
-        if rollout.turns[i] == 1:  # the random model wrote 6 tokens without EOS: the episode was cut
+        if rollout.episodes.turns[i] == 1:  # the random model wrote 6 tokens without EOS: the episode was cut
             assert rollout.truncated[i] and len(transcript) == 1 and env_tokens[i].sum() == 0
             continue
         assert [t["role"] for t in transcript] == ["assistant", "user", "assistant"]
-        ids = rollout.completion_ids[i][rollout.context_mask[i].bool()].tolist()
+        ids = rollout.completion_ids[i][rollout.episodes.context_mask[i].bool()].tolist()
         policy = rollout.completion_ids[i][rollout.completion_mask[i].bool()].tolist()
         reply = tok(f"|{transcript[1]['content']}=", add_special_tokens=False)["input_ids"]
-        first = policy[:len(policy) - len(rollout.final_turn_ids[i])]
-        assert ids == first + reply + list(rollout.final_turn_ids[i])  # nothing re-rendered or re-tokenized
+        first = policy[:len(policy) - len(rollout.episodes.final_turn_ids[i])]
+        assert ids == first + reply + list(rollout.episodes.final_turn_ids[i])  # nothing re-rendered or re-tokenized
         assert rollout.completions[i] == transcript[-1]["content"]
         secret = rollout.columns["secret"][i]
         assert rollout.rewards[i] == pytest.approx(sum(a == b for a, b in zip(rollout.completions[i], secret))
@@ -106,7 +106,7 @@ def test_environment_tokens_get_exactly_zero_gradient(guess_model, monkeypatch):
     loss = m.training_step(_guess_batch(tok), 0)
     loss.backward()
     grad, rollout = kept["logp"].grad, kept["rollout"]
-    env_tokens = (rollout.context_mask - rollout.completion_mask).bool()
+    env_tokens = (rollout.episodes.context_mask - rollout.completion_mask).bool()
     assert env_tokens.any() and (grad[env_tokens] == 0).all()  # exactly zero, not small
     assert (grad[rollout.completion_mask.bool()] != 0).any()
 
@@ -119,14 +119,14 @@ def test_the_kl_counts_policy_tokens_only(guess_model):
             p.add_(0.05 * torch.randn_like(p))
     m = _module(model, tok, GUESS_ENV, reference=reference, kl={"beta": 0.1})
     rollout = m.sample(_guess_batch(tok), 4, seed=5)
-    m.score(rollout)
+    rollout.scores, rollout.rewards = m.score(rollout)
     m.rollout_loss(rollout)
     with torch.no_grad():
         logp, _ = m.logprobs(m.policy, rollout)
         ref, _ = m.logprobs(m.reference, rollout)
     per_token = logp - ref
     torch.testing.assert_close(rollout.kl, (per_token * rollout.completion_mask).sum(1))
-    env_part = (per_token * (rollout.context_mask - rollout.completion_mask)).sum(1)
+    env_part = (per_token * (rollout.episodes.context_mask - rollout.completion_mask)).sum(1)
     assert env_part.abs().max() > 1e-3  # counting the environment's tokens would have given other numbers
 
 
@@ -140,9 +140,9 @@ def test_reward_functions_score_the_last_turn_and_see_the_transcript(guess_model
 
     m = _module(model, tok, GUESS_ENV, rewards={"funcs": [reward]})
     rollout = m.sample(_guess_batch(tok), 4, seed=5)
-    m.score(rollout)
+    rollout.scores, rollout.rewards = m.score(rollout)
     assert seen["completions"] == [t[-1]["content"] for t in seen["transcript"]]
-    assert seen["completion_ids"] == [list(ids) for ids in rollout.final_turn_ids]
+    assert seen["completion_ids"] == [list(ids) for ids in rollout.episodes.final_turn_ids]
     assert seen["secret"] == rollout.columns["secret"]
     torch.testing.assert_close(rollout.rewards, 1.0 + rollout.scores["environment"])
     assert set(rollout.scores) == {"reward", "environment"}
@@ -192,9 +192,9 @@ def test_an_environment_error_names_the_environment_and_the_prompt_or_is_scored(
         return
     with pytest.warns(EpisodeWarning, match=r"environment Noisy failed on prompt row \d .*environment.on_error"):
         rollout = m.sample(batch, 2, seed=1)
-    m.score(rollout)
+    rollout.scores, rollout.rewards = m.score(rollout)
     rewards = rollout.rewards
-    ended_early = rollout.turns == 2  # the episodes that reached the failing turn
+    ended_early = rollout.episodes.turns == 2  # the episodes that reached the failing turn
     assert ended_early.any()
     if on_error == "none":
         assert torch.isnan(rewards[ended_early]).all() and not torch.isnan(rewards[~ended_early]).any()
@@ -251,14 +251,14 @@ def test_cut_episodes_are_flagged_and_can_be_left_out_of_the_loss(tiny_model_dir
     m = _module(model, tok, env, sampling={"k": 2, "max_new_tokens": 4},
                 shaping={"mask_truncated_completions": True})
     rollout = m.sample(prompt_batch(tok), 2, seed=3)
-    m.score(rollout)
+    rollout.scores, rollout.rewards = m.score(rollout)
     assert rollout.truncated.all()  # every episode wanted 5 turns: max_turns (or a turn's budget) cut it
     m.rollout_loss(rollout)
     assert not rollout.keep.any() and (rollout.advantages == 0).all()
     budget = _module(model, tok, {**env, "max_turns": 5, "max_context_tokens": 16},
                      sampling={"k": 2, "max_new_tokens": 4})
     rollout = budget.sample(prompt_batch(tok), 2, seed=3)
-    lengths = rollout.prompt_mask.sum(1) + rollout.context_mask.sum(1)
+    lengths = rollout.prompt_mask.sum(1) + rollout.episodes.context_mask.sum(1)
     assert (lengths <= 16).all() and rollout.truncated.all()
 
 
@@ -290,11 +290,11 @@ def test_train_metrics_and_the_sample_table_show_the_episodes(guess_model):
     tok, model = guess_model
     m = _module(model, tok, GUESS_ENV)
     rollout = m.sample(_guess_batch(tok), 4, seed=5)
-    m.score(rollout)
+    rollout.scores, rollout.rewards = m.score(rollout)
     loss, entropy = m.rollout_loss(rollout)
     sums = train_metric_sums(rollout, entropy, loss)
     mean = {name: float(s) / float(n) for name, (s, n) in sums.items()}
-    two = (rollout.turns == 2).float()
+    two = (rollout.episodes.turns == 2).float()
     assert two.sum() >= 6 and mean["train/turns"] == pytest.approx(1 + two.mean().item())
     assert mean["train/truncated_episodes"] == pytest.approx(rollout.truncated.float().mean().item())
     assert mean["train/policy_tokens"] == pytest.approx(rollout.completion_mask.sum(1).mean().item())
@@ -308,11 +308,12 @@ def test_dynamic_sampling_keeps_the_episode_fields(guess_model):
     m = _module(model, tok, GUESS_ENV)
     a, b = (m.sample(_guess_batch(tok), 4, seed=s) for s in (1, 2))
     for r in (a, b):
-        m.score(r)
+        r.scores, r.rewards = m.score(r)
     joined = concat_groups([(a, [0, 2]), (b, [1])], tok.pad_token_id)
-    assert joined.context_mask.shape == joined.completion_ids.shape and len(joined.final_turn_ids) == 12
-    expected = torch.cat([a.env_rewards[:4], a.env_rewards[8:], b.env_rewards[4:8]])
-    torch.testing.assert_close(joined.env_rewards, expected)
+    assert joined.episodes.context_mask.shape == joined.completion_ids.shape
+    assert len(joined.episodes.final_turn_ids) == 12
+    expected = torch.cat([a.episodes.rewards[:4], a.episodes.rewards[8:], b.episodes.rewards[4:8]])
+    torch.testing.assert_close(joined.episodes.rewards, expected)
     assert joined.columns["transcript"][4] == a.columns["transcript"][8]
 
 
@@ -352,5 +353,5 @@ def test_the_readme_environment_runs_as_written(tiny_model_dir, tmp_path, monkey
     batch = prompt_batch(tok)
     batch["columns"] = {"answer": [p[:-1][::-1] for p in batch["prompt"]]}
     rollout = m.sample(batch, 4, seed=0)
-    m.score(rollout)
-    assert set(rollout.scores) == {"reward", "environment"} and rollout.turns.max() == 2
+    rollout.scores, rollout.rewards = m.score(rollout)
+    assert set(rollout.scores) == {"reward", "environment"} and rollout.episodes.turns.max() == 2

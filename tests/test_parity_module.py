@@ -39,7 +39,7 @@ _rollout = scored_rollout
 def _logps(module, rollout):
     """Policy log-probs with grad, reference log-probs without, both ``[B, T]`` (0 past the end)."""
     logp, _ = module.logprobs(module.policy, rollout)
-    if not module.has_reference:
+    if not module.ref is not None:
         return logp, None
     with torch.no_grad():
         ref = module.reference_logprobs(rollout, [slice(None)])

@@ -33,20 +33,21 @@ def test_shaping_order_overlong_then_missing_eos_then_clip(tiny_model_dir):
                         shaping={"missing_eos_penalty": 0.5, "overlong_buffer": 2, "overlong_factor": 1.0,
                                  "reward_clip": (-0.2, 0.8)})
     rollout = _rollout([1.0, 1.0, 0.0, 0.5], lengths=[3, 5, 6, 4], truncated=[False, False, True, False])
-    module.score(rollout)  # the training step's scoring: the reward functions, then the shaping
+    # the training step's scoring: the reward functions, then the shaping
+    rollout.scores, rollout.rewards = module.score(rollout)
     # lengths 3, 4 <= 6-2: no overlong penalty; 5: (4-5)/2 = -0.5; 6 (truncated): (4-6)/2 = -1.0
     # then missing EOS: row 2 -0.5; then clip to [-0.2, 0.8]
     expected = [min(1.0, 0.8), 1.0 - 0.5, max(0.0 - 1.0 - 0.5, -0.2), 0.5]
     assert rollout.rewards.tolist() == pytest.approx(expected)
     assert rollout.scores["given"].tolist() == [1.0, 1.0, 0.0, 0.5]  # the per-function scores are unshaped
-    module.score(rollout, shape=False)  # validation's scoring: unshaped
+    rollout.scores, rollout.rewards = module.score(rollout, shape=False)  # validation's scoring: unshaped
     assert rollout.rewards.tolist() == [1.0, 1.0, 0.0, 0.5]
 
 
 def test_shaping_off_by_default_leaves_rewards(tiny_model_dir):
     module = RLOOModule(tiny_model_dir, rewards={"funcs": [GIVEN]}, sampling={"max_new_tokens": 6})
     rollout = _rollout([1.0, 3.0, -2.0, 0.5], lengths=[3, 5, 6, 4], truncated=[False, False, True, False])
-    module.score(rollout)
+    rollout.scores, rollout.rewards = module.score(rollout)
     assert rollout.rewards.tolist() == [1.0, 3.0, -2.0, 0.5]
 
 

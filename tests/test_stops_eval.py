@@ -290,7 +290,7 @@ def test_evaluate_batch_metrics_per_prompt(tiny_model_dir):
 
     # recompute from a second rollout with the same seed
     again = module.sample(batch, 4, module.sampling_seed("val", 0))
-    module.score(again, shape=False)
+    again.scores, again.rewards = module.score(again, shape=False)
     rewards = again.rewards.view(len(prompts), 4)
     success = (rewards >= 0.5).float()
     torch.testing.assert_close(out["reward"], rewards.mean(1))
@@ -303,7 +303,7 @@ def test_evaluate_batch_metrics_per_prompt(tiny_model_dir):
     assert 0 < out["pass@4"].sum() and ((out["pass@1"] > 0) & (out["pass@1"] < 1)).any(), out
 
     greedy = module.sample(batch, 1, 0, greedy=True)
-    module.score(greedy, shape=False)
+    greedy.scores, greedy.rewards = module.score(greedy, shape=False)
     torch.testing.assert_close(out["reward_greedy"], greedy.rewards)
     torch.testing.assert_close(out["accuracy_greedy"], (greedy.rewards >= 0.5).float())
 

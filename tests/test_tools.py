@@ -182,11 +182,11 @@ def test_tool_results_are_context_with_zero_gradient_and_the_answer_is_scored(mo
     rollout = kept["rollout"]
     transcript = rollout.columns["transcript"][0]
     assert [t["role"] for t in transcript] == ["assistant", "tool", "assistant"] and transcript[1]["content"] == "7"
-    result = (rollout.context_mask - rollout.completion_mask).bool()
+    result = (rollout.episodes.context_mask - rollout.completion_mask).bool()
     assert result.sum(1).tolist() == [3, 3]  # "|7|"
     assert (kept["logp"].grad[result] == 0).all()
     assert rollout.scores["reward"].tolist() == [1.0, 1.0]  # the arithmetic reward on the last turn
-    assert rollout.env_metrics["tool_calls"].tolist() == [1.0, 1.0]
+    assert rollout.episodes.metrics["tool_calls"].tolist() == [1.0, 1.0]
 
 
 def test_tool_metrics_are_logged_per_episode():
@@ -194,7 +194,7 @@ def test_tool_metrics_are_logged_per_episode():
 
     m, tok, batch = _tool_module([_call("calculator", expression="3+"), _call("nope"), "7"])
     rollout = m.sample(batch, 2, seed=0)
-    m.score(rollout)
+    rollout.scores, rollout.rewards = m.score(rollout)
     loss, entropy = m.rollout_loss(rollout)
     sums = train_metric_sums(rollout, entropy, loss)
     mean = {name: float(s) / float(n) for name, (s, n) in sums.items()}

@@ -18,10 +18,11 @@ class RolloutHook(Callback):
     Lightning has no hook there; :class:`rloo_lightning.RLOOModule` calls ``on_rollout`` on every
     trainer callback that subclasses this one, in the trainer's callback order.
 
-    At that point ``rollout.scores``, ``rollout.rewards`` (task reward r), ``rollout.kl`` (None when
-    beta == 0) and ``rollout.shaped_rewards`` (r - beta*kl, what the baseline uses) are set, and
-    ``rollout.keep`` is all True. A hook may edit ``shaped_rewards`` or set rows of ``keep`` to
-    False: dropped rows get advantage 0 and leave the loss's average.
+    At that point ``rollout.scores``, ``rollout.rewards`` (the task reward r), ``rollout.kl`` (None when
+    beta == 0) and ``rollout.baseline_rewards`` (r - beta*kl, what the baseline uses) are set, and
+    ``rollout.keep`` is all True (but for truncated rows under ``shaping.mask_truncated_completions``). A hook
+    may replace ``baseline_rewards`` or set rows of ``keep`` to False: dropped rows get advantage 0 and leave
+    the loss's average.
     """
 
     def on_rollout(self, trainer: Trainer, pl_module: LightningModule, rollout) -> None:

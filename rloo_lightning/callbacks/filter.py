@@ -29,16 +29,17 @@ class ZeroVarianceFilter(RolloutHook):
 
     Args:
         signal: ``"score"`` decides on the task reward r, before the KL term (DAPO's choice);
-            ``"shaped"`` on ``r - beta*KL`` (which is almost never exactly constant when beta > 0).
+            ``"baseline"`` on the reward the baseline sees, ``r - beta*KL`` (which is almost never exactly
+            constant when beta > 0).
         atol: a group whose rewards spread by at most this much counts as zero-variance.
 
     Logs ``train/filtered_groups`` (fraction of groups dropped this step) and keeps running totals
     in its state (``dropped_groups``, ``seen_groups``), restored on resume.
     """
 
-    def __init__(self, signal: Literal["score", "shaped"] = "score", atol: float = 0.0) -> None:
-        if signal not in ("score", "shaped"):
-            raise ValueError(f"ZeroVarianceFilter: `signal` must be 'score' or 'shaped', got {signal!r}")
+    def __init__(self, signal: Literal["score", "baseline"] = "score", atol: float = 0.0) -> None:
+        if signal not in ("score", "baseline"):
+            raise ValueError(f"ZeroVarianceFilter: `signal` must be 'score' or 'baseline', got {signal!r}")
         if atol < 0:
             raise ValueError(f"ZeroVarianceFilter: `atol` must be >= 0, got {atol}")
         self.signal = signal
@@ -47,7 +48,7 @@ class ZeroVarianceFilter(RolloutHook):
         self.seen_groups = 0
 
     def on_rollout(self, trainer: Trainer, pl_module: LightningModule, rollout) -> None:
-        values = rollout.rewards if self.signal == "score" else rollout.shaped_rewards
+        values = rollout.rewards if self.signal == "score" else rollout.baseline_rewards
         informative = informative_groups(values, rollout.k, self.atol)
         rollout.keep &= informative.repeat_interleave(rollout.k)
         counts = torch.stack([(~informative).sum(), torch.tensor(informative.numel(), device=values.device)])

@@ -23,7 +23,7 @@ class RewardVarianceLogger(RolloutHook):
     Statistics are computed from every rank's rollout (gathered), so they are global. Logs
     ``train/group_reward_std_mean`` / ``_max`` and ``train/zero_variance_fraction`` (on the task
     reward r), and for each reward function ``train/score/<name>_std`` / ``_min`` / ``_max``; every
-    ``histogram_every_n_steps`` steps, TensorBoard histograms ``hist/reward``, ``hist/shaped_reward``,
+    ``histogram_every_n_steps`` steps, TensorBoard histograms ``hist/reward``, ``hist/baseline_reward``,
     ``hist/advantage``, ``hist/group_reward_std`` and ``hist/score/<name>`` (written on rank 0).
 
     Args:
@@ -56,7 +56,7 @@ class RewardVarianceLogger(RolloutHook):
         step = trainer.global_step
         if not (self.histogram_every_n_steps and step % self.histogram_every_n_steps == 0):
             return
-        hists = {"hist/reward": rewards, "hist/shaped_reward": gather(rollout.shaped_rewards),
+        hists = {"hist/reward": rewards, "hist/baseline_reward": gather(rollout.baseline_rewards),
                  "hist/advantage": gather(rollout.advantages), "hist/group_reward_std": stds}
         hists.update({f"hist/score/{name}": v for name, v in scores.items()})
         if trainer.is_global_zero:
@@ -106,7 +106,7 @@ class SampleLogger(RolloutHook):
     @staticmethod
     def completion(rollout, i: int) -> str:
         """Row ``i``'s completion, or its episode's messages with their roles."""
-        transcript = rollout.columns.get("transcript") if rollout.turns is not None else None
+        transcript = rollout.columns.get("transcript") if rollout.episodes is not None else None
         if transcript is None:
             return rollout.completions[i]
         return " ".join(f"[{m['role']}] {m['content']}" for m in transcript[i])

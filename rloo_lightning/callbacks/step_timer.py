@@ -1,4 +1,4 @@
-"""StepTimer: per-step wall times and peak memory of ``fit``, as JSON (what ``scripts/bench.py`` reads)."""
+"""StepTimer: per-step wall times and peak memory of ``fit``, as JSON (what ``benchmarks/bench.py`` reads)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Callbacks for the reliability tests, given to the CLI by class path (``tests/`` on ``PYTHONPATH``).
 
-* :class:`PoisonReward` puts an inf/NaN into ``rollout.shaped_rewards`` once, at a chosen step
+* :class:`PoisonReward` puts an inf/NaN into ``rollout.baseline_rewards`` once, at a chosen step
   (a finite task reward, a non-finite loss).
 * :class:`PoisonGrad` puts a NaN into one gradient element once, after backward (the loss is
   finite; only the gradient is not), as a low-precision overflow in backward would.
@@ -22,7 +22,7 @@ __all__ = ["PoisonReward", "PoisonGrad", "RolloutRecorder", "SigtermAt"]
 
 
 class PoisonReward(RolloutHook):
-    """Set ``rollout.shaped_rewards[0] = value`` in the first rollout at ``global_step == step``.
+    """Set ``rollout.baseline_rewards[0] = value`` in the first rollout at ``global_step == step``.
 
     Fires once only: after a skipped step the global step may not advance, and a hook keyed on the
     step alone would poison every later batch too.
@@ -35,11 +35,11 @@ class PoisonReward(RolloutHook):
 
     def on_rollout(self, trainer, pl_module, rollout) -> None:
         if trainer.global_step == self.step and not self.fired_at:
-            shaped = rollout.shaped_rewards.clone()
+            shaped = rollout.baseline_rewards.clone()
             shaped[0] = self.value
-            rollout.shaped_rewards = shaped
+            rollout.baseline_rewards = shaped
             self.fired_at.append(trainer.global_step)
-            print(f"PoisonReward: shaped_rewards[0] = {self.value} at step {trainer.global_step}", flush=True)
+            print(f"PoisonReward: baseline_rewards[0] = {self.value} at step {trainer.global_step}", flush=True)
 
 
 class PoisonGrad(Callback):
