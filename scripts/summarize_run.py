@@ -1,7 +1,7 @@
 """Summarise a run's TensorBoard log as JSON: val metrics at each evaluation, train metrics over the
 first and last 10 steps, and the median step time.
 
-    python scripts/summarize_run.py lightning_logs/version_0 [--window 10]
+    python scripts/summarize_run.py lightning_logs/version_0 [--window 10] [--out FILE]
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from pathlib import Path
 
 TRAIN = ["train/reward", "train/completion_length", "train/clipped_ratio", "train/kl", "train/entropy"]
 
@@ -39,12 +40,16 @@ def summarize(log_dir: str, window: int = 10) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("log_dir")
     parser.add_argument("--window", type=int, default=10)
-    args = parser.parse_args()
-    print(json.dumps(summarize(args.log_dir, args.window), indent=1))
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    text = json.dumps(summarize(args.log_dir, args.window), indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

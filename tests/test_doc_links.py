@@ -1,5 +1,7 @@
-"""Every relative link and every script, config or test path named in the README and in docs/ resolves: a moved
-or deleted file breaks this test, not a reader's click."""
+"""Every relative link and every script, config or test path named in the README, in docs/, in each study's README
+(``experiments/*/README.md``, and their index) and in the benchmarks' pages (``benchmarks/*.md``) resolves: a moved
+or deleted file breaks this test, not a reader's click. And every record and figure a study or a benchmark keeps is
+named by one of those pages: a record nobody cites is a record nobody can tell the meaning of."""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "experiments" / "README.md",
+         *sorted((REPO / "experiments").glob("*/README.md")), *sorted((REPO / "benchmarks").glob("*.md"))]
+RECORDS = sorted(p for pattern in ("experiments/*/*.json", "experiments/*/*.png", "benchmarks/results/*.json")
+                 for p in REPO.glob(pattern))
 LINK = re.compile(r"\]\(([^)\s]+)\)")  # [text](target)
 FOLDERS = "scripts|configs|tests|docs|rloo_lightning|benchmarks|experiments"
 PATH = re.compile(rf"(?<![\w/.-])((?:{FOLDERS})/[\w./-]+\.(?:py|sh|sbatch|yaml|json|md|png|svg|csv|jsonl))\b")
@@ -39,3 +44,16 @@ def test_a_broken_link_and_a_missing_script_are_caught(tmp_path):
                     "[here](#anchor) and `configs/quickstart.yaml`.")
     found = {name: path.exists() for name, path in _targets(page)}
     assert found == {"gone.md#top": False, "scripts/gone.py": False, "configs/quickstart.yaml": True}
+
+
+def test_the_pages_cover_the_studies_and_benchmarks():
+    names = {str(p.relative_to(REPO)) for p in PAGES}
+    assert {"docs/results.md", "benchmarks/README.md"} <= names
+    studies = sorted(p.parent.name for p in (REPO / "experiments").glob("*/*.py"))
+    assert studies and all(f"experiments/{s}/README.md" in names for s in studies), studies
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=[str(p.relative_to(REPO)) for p in RECORDS])
+def test_every_record_and_figure_is_named_by_a_page(record):
+    named = {path.resolve() for page in PAGES for _, path in _targets(page)}
+    assert record.resolve() in named, f"no page links or names {record.relative_to(REPO)}"

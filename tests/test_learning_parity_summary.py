@@ -1,15 +1,15 @@
-"""``scripts/learning_parity.py``'s held-out prompts and summary when a seed is added to a finished record: the
-new seed's training rows may hold a few of the prompts the first runs were scored on, and those stop counting."""
+"""``experiments/learning_parity/learning_parity.py``'s held-out prompts and summary when a seed is added to a finished
+record: the new seed's training rows may hold a few of the prompts the first runs were scored on, and those stop
+counting."""
 
 from __future__ import annotations
 
 import sys
 
 import pytest
-from cli_harness import REPO
+from study_helpers import load_script
 
-sys.path.insert(0, str(REPO / "scripts"))
-import learning_parity as lp  # noqa: E402
+lp = load_script("experiments/learning_parity/learning_parity.py")
 
 ROWS = 2000  # the script's num_train_rows
 

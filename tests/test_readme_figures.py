@@ -1,49 +1,52 @@
-"""The README's quickstart figures are the ones ``scripts/quickstart_trajectory.py`` produces at this version.
+"""The quickstart figures quoted in the README, in docs/results.md and in the quickstart study's README are the ones
+``experiments/quickstart_trajectory/quickstart_trajectory.py`` produces at this version.
 
-* fast: the table in README.md equals :func:`markdown_table` of the committed baseline
-  ``docs/quickstart_trajectory.json`` at ``rloo_lightning.__version__`` (README and baseline agree);
+* fast: the study's table (``experiments/quickstart_trajectory/README.md``) equals :func:`markdown_table` of the
+  committed baseline ``experiments/quickstart_trajectory/quickstart_trajectory.json`` at
+  ``rloo_lightning.__version__``, and the README's and docs/results.md's sentence (``val/reward`` before training
+  and after the last step) states the baseline's values;
 * slow: the script re-runs the quickstart's first 100 steps with the full run's warm-up (so they are the full
   run's), with the tiny model this session's cache built (the builder at this version, as a fresh cache would
-  have it); its ``--markdown`` output, the table's rows before training and after 100 steps, must appear in
-  README.md verbatim. Only on a CPU of the baseline's kind (``cpu``: vendor and torch kernel family, e.g.
+  have it); its ``--markdown`` output, the table's rows before training and after 100 steps, must appear in the
+  study's README verbatim. Only on a CPU of the baseline's kind (``cpu``: vendor and torch kernel family, e.g.
   ``AuthenticAMD AVX2``): another kind rounds differently, and a sampled trajectory diverges from the first
   differing sample. There the run must still learn as the baseline did: its ``val/reward`` after 100 steps at least
   0.15 above its own before training (the baseline: 0.290 to 0.553; five seeds,
-  ``docs/quickstart_seeds.json``: +0.22 to +0.27; an Intel AVX512 CPU: +0.265).
+  ``experiments/quickstart_seeds/quickstart_seeds.json``: +0.22 to +0.27; an Intel AVX512 CPU: +0.265).
   It fails when a change moves the trajectory or the version: re-run the script (without ``--max-steps``), paste
-  its output into the README, and re-record the baseline with ``--out docs/quickstart_trajectory.json``;
-  ``--compare docs/quickstart_trajectory.json`` checks all 400 steps against the baseline.
+  its output into the study's README (and the first and last ``val/reward`` into the README and docs/results.md),
+  and re-record the baseline with ``--out experiments/quickstart_trajectory/quickstart_trajectory.json``;
+  ``--compare`` with that file checks all 400 steps against the baseline.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 from cli_harness import REPO, make_env, start_script
+from study_helpers import load_script
 
 import rloo_lightning
 
-SCRIPT = REPO / "scripts" / "quickstart_trajectory.py"
-README = REPO / "README.md"
-BASELINE = REPO / "docs" / "quickstart_trajectory.json"
+STUDY = REPO / "experiments" / "quickstart_trajectory"
+SCRIPT = STUDY / "quickstart_trajectory.py"
+README = STUDY / "README.md"  # the study's: the table
+BASELINE = STUDY / "quickstart_trajectory.json"
+QUOTED = [REPO / "README.md", REPO / "docs" / "results.md"]  # quote the first and last val/reward
 
 
 def _script_module():
-    spec = importlib.util.spec_from_file_location("quickstart_trajectory", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("experiments/quickstart_trajectory/quickstart_trajectory.py")
 
 
 def _readme_table() -> str:
-    """The README's quickstart block: the "Produced by" line and the table under it, as written."""
+    """The study's quickstart block: the "Produced by" line and the table under it, as written."""
     lines = README.read_text().splitlines()
-    start = next((i for i, line in enumerate(lines) if "python scripts/quickstart_trajectory.py --markdown" in line
-                  and line.startswith("Produced by")), None)
+    marker = "python experiments/quickstart_trajectory/quickstart_trajectory.py --markdown"
+    start = next((i for i, line in enumerate(lines) if marker in line and line.startswith("Produced by")), None)
     if start is None:
-        return "(no 'Produced by `python scripts/quickstart_trajectory.py --markdown`' line in README.md)"
+        return f"(no 'Produced by `{marker}`' line in {README.relative_to(REPO)})"
     end = start + 2
     while end < len(lines) and lines[end].startswith("|"):
         end += 1
@@ -52,8 +55,8 @@ def _readme_table() -> str:
 
 def _assert_in_readme(expected: str, source: str) -> None:
     assert expected in README.read_text(), (
-        f"README.md's quickstart table differs from {source}.\n--- expected ---\n{expected}\n"
-        f"--- README.md ---\n{_readme_table()}")
+        f"{README.relative_to(REPO)}'s quickstart table differs from {source}.\n--- expected ---\n{expected}\n"
+        f"--- {README.relative_to(REPO)} ---\n{_readme_table()}")
 
 
 def test_readme_table_matches_recorded_baseline():
@@ -61,6 +64,16 @@ def test_readme_table_matches_recorded_baseline():
     table = _script_module().markdown_table(baseline, rloo_lightning.__version__, baseline["cpu"])
     assert table.count("\n| ") >= 3  # header and at least the validations before and after training
     _assert_in_readme(table, f"{BASELINE.relative_to(REPO)} at rloo_lightning {rloo_lightning.__version__}")
+
+
+def test_quoted_figures_match_recorded_baseline():
+    """The README and docs/results.md quote the baseline's first and last validations as the study's table rounds
+    them."""
+    val = json.loads(BASELINE.read_text())["val/reward"]
+    steps = val[-1][0] + 1  # logged at step N - 1 after N updates
+    sentence = f"`val/reward` goes from {val[0][1]:.3f} before training to {val[-1][1]:.3f} after {steps} steps"
+    for page in QUOTED:
+        assert sentence in " ".join(page.read_text().split()), f"{page.relative_to(REPO)} does not say: {sentence}"
 
 
 @pytest.mark.slow
@@ -75,7 +88,7 @@ def test_readme_table_matches_a_fresh_quickstart_run(tmp_path, _cache_dir):
     assert "\n| 0 | " in table and "\n| 99 | " in table, table  # validations before training and after 100 steps
     recorded, here = json.loads(BASELINE.read_text())["cpu"], _script_module().cpu_kind()
     if here == recorded:
-        _assert_in_readme(table, "`python scripts/quickstart_trajectory.py --markdown --max-steps 100` run now")
+        _assert_in_readme(table, "`quickstart_trajectory.py --markdown --max-steps 100` run now")
         return
     cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()
              if line.startswith("| ")]

@@ -1,14 +1,12 @@
-"""``scripts/rollout_stats.py``'s batch statistics and their comparison (the script itself needs TRL and SmolLM2)."""
+"""``experiments/rollout_stats/rollout_stats.py``'s batch statistics and their comparison (the script itself needs
+TRL and SmolLM2)."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-from cli_harness import REPO
+from study_helpers import load_script
 
-sys.path.insert(0, str(REPO / "scripts"))
-import rollout_stats as rs  # noqa: E402
+rs = load_script("experiments/rollout_stats/rollout_stats.py")
 
 
 def test_batch_stats_count_flat_groups_prompt_major():

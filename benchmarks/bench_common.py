@@ -1,0 +1,216 @@
+"""Helpers shared by the benchmarks (``benchmarks/bench.py`` and its systems ``bench_trl.py``, ``bench_bare.py``; the
+phase benchmarks) and by the experiments' scripts.
+
+Each system of the step benchmark runs in its own process, started by ``benchmarks/bench.py`` with ``--spec
+spec.json --out result.json``. The spec fixes the work (model, prompts, reward, sizes, sampling, dtype, threads,
+seed, steps); the result holds one entry per step and the process's peak RSS.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from anywhere, without installing
+    sys.path.insert(0, str(ROOT))
+
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+EXPERIMENTS = ROOT / "experiments"
+
+
+def experiment_script(relative: str):
+    """An experiment's script as a module, e.g. ``experiment_script("learning_parity/learning_parity.py")``.
+
+    The experiments are folders of scripts, not packages: one uses another's functions through its file, loaded
+    once and kept in ``sys.modules`` under the file's stem (so every script that asks gets the same module)."""
+    path = (EXPERIMENTS / relative).resolve()
+    module = sys.modules.get(path.stem)
+    if module is not None and Path(getattr(module, "__file__", "") or "").resolve() == path:
+        return module
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[path.stem]
+        raise
+    return module
+
+
+def child_env(threads: int) -> dict[str, str]:
+    """Environment of every child: offline, same thread count for torch, OpenMP and MKL."""
+    env = dict(os.environ)
+    env.update({
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+def set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set (VmHWM), in MiB.
+
+    Not ``rloo_lightning.timing.peak_rss_mb``: importing the package (and Lightning) into TRL's and the bare
+    loop's processes would add to the very peak measured here.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def read_spec(path: str) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def child_args(argv: list[str] | None = None) -> tuple:
+    """A benchmark child's ``--spec`` / ``--out`` arguments and its spec, with its thread count set."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    spec = read_spec(args.spec)
+    set_threads(spec["threads"])
+    return args, spec
+
+
+def write_result(path: str, result: dict) -> None:
+    import torch
+
+    result.setdefault("peak_rss_mb", peak_rss_mb())
+    result.setdefault("threads", torch.get_num_threads())
+    Path(path).write_text(json.dumps(result, indent=1))
+
+
+def emit_json(results: dict, out: Path | str | None) -> None:
+    """A measurement script's results: printed as JSON, and written to ``out`` when given."""
+    text = json.dumps(results, indent=1)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+
+
+def record_json(record, indent: int = 1, _level: int = 0) -> str:
+    """``record`` as JSON for a file kept in the repository: nested objects indented as ``json.dumps(indent=1)``
+    does, but a list of numbers or strings on one line (a per-step curve or a prompt's 0/1 scores, one entry a
+    line, made the records several times their content), and a list of such lists one of them a line."""
+    def flat(value) -> bool:
+        return not isinstance(value, (dict, list)) or (
+            isinstance(value, list) and not any(isinstance(v, (dict, list)) for v in value))
+
+    if flat(record):
+        return json.dumps(record, separators=(",", ":") if isinstance(record, list) else (", ", ": "))
+    pad, inner = " " * (indent * _level), " " * (indent * (_level + 1))
+    if isinstance(record, dict):
+        if not record:
+            return "{}"
+        items = [f"{inner}{json.dumps(str(k))}: {record_json(v, indent, _level + 1)}" for k, v in record.items()]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    items = [f"{inner}{record_json(v, indent, _level + 1)}" for v in record]
+    return "[\n" + ",\n".join(items) + "\n" + pad + "]"
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
+    """``{tag: {step: value}}`` of a TensorBoard log folder (the last value of a step wins)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"]}
+
+
+def scalar_curves(folder: Path, tags: list[str]) -> dict[str, list[tuple[int, float]]]:
+    """``{tag: [(step, value), ...]}`` in step order for each of ``tags`` the log folder has."""
+    scalars = tensorboard_scalars(folder)
+    return {t: sorted(scalars[t].items()) for t in tags if t in scalars}
+
+
+def train_rows(spec: dict) -> list[dict]:
+    """The training prompts: the embedded task's rows, as PromptDataModule(task=...) makes them."""
+    from rloo_lightning.tasks import get_task
+
+    return get_task(spec["task"]).make_rows(spec["num_train_rows"], spec["seed"])
+
+
+def reward_fn(spec: dict):
+    """The task's reward function (the quickstart's ``rewards.funcs``), by import path."""
+    import importlib
+
+    module, _, name = spec["reward"].rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """Token ids of a prompt as PromptDataModule builds them (``use_chat_template: auto``, no system prompt)."""
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+
+class Clock:
+    """perf_counter with a CUDA sync when CUDA is in use."""
+
+    @staticmethod
+    def now() -> float:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def task_prompts(tokenizer, num_prompts: int, k: int, task: str = "reverse"):
+    """The first ``num_prompts`` rows of an embedded task as a rollout's prompts: ``(ids [N, P], mask [N, P],
+    prompt_ids [N*k, P], prompt_mask [N*k, P])``, left-padded, each prompt repeated k times."""
+    import torch
+
+    from rloo_lightning.tasks import get_task
+
+    encoded = [encode_prompt(tokenizer, r["prompt"]) for r in get_task(task).make_rows(num_prompts, 0)]
+    width = max(map(len, encoded))
+    ids = torch.full((len(encoded), width), tokenizer.pad_token_id)
+    mask = torch.zeros(len(encoded), width, dtype=torch.long)
+    for i, e in enumerate(encoded):
+        ids[i, width - len(e):], mask[i, width - len(e):] = torch.tensor(e), 1
+    return ids, mask, ids.repeat_interleave(k, 0), mask.repeat_interleave(k, 0)
+
+
+def rollout_parser(description: str, reps: int):
+    """The options the phase scripts share: the model and the rollout's shape (the benchmark's by default), and
+    where to write the JSON."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", required=True, help="a Hugging Face directory or tiny:<task>")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    return parser
