@@ -92,6 +92,27 @@ def test_filter_gradient_equals_dropping_groups_by_hand(tiny_model_dir):
     assert any(not torch.allclose(a, b) for a, b in zip(grads_f, grads_none))
 
 
+def test_a_rollout_hook_may_replace_the_reward_the_baseline_sees(tiny_model_dir):
+    # The hook contract: on_rollout may replace baseline_rewards (and drop rows); the advantages follow its values,
+    # the task reward stays as scored.
+    from rloo_lightning.advantages import leave_one_out_advantages
+    from rloo_lightning.callbacks import RolloutHook
+
+    class Replace(RolloutHook):
+        def on_rollout(self, trainer, pl_module, rollout):
+            assert rollout.baseline_rewards is not None and rollout.keep.all()
+            rollout.baseline_rewards = torch.tensor([1.0, 0.0, 0.0, 3.0, 0.0, 0.0])
+            rollout.keep[5] = False
+
+    module = _module(tiny_model_dir)
+    rollout = _rollout(module, ["abc=", "bca="], [0.2, 0.9, 0.4, 0.5, 0.1, 0.3])
+    _grads(module, rollout, [Replace()])
+    want = leave_one_out_advantages(torch.tensor([1.0, 0.0, 0.0, 3.0, 0.0, float("nan")]), 3)
+    torch.testing.assert_close(rollout.advantages, want)
+    assert rollout.rewards.tolist() == pytest.approx([0.2, 0.9, 0.4, 0.5, 0.1, 0.3])
+    assert rollout.loss_mask[5].sum() == 0 and rollout.loss_mask[0].sum() > 0
+
+
 def test_filter_all_dropped_gives_zero_loss_that_touches_the_graph(tiny_model_dir):
     module = _module(tiny_model_dir)
     rollout = _rollout(module, ["abc=", "bca="], [0.5] * 6)
