@@ -15,15 +15,15 @@ Helpers (``tests/`` is put on the subprocesses' ``PYTHONPATH``):
 * ``reliability_helpers.callbacks``: ``PoisonReward`` / ``PoisonGrad`` (a non-finite loss or
   gradient at a chosen step), ``RolloutRecorder`` (prompts and completions of every step).
 * ``reliability_helpers/ddp_fixed_rollout.py``: a Trainer with an RLOOModule whose rollout is a
-  fixed function of the prompt text, single-process or DDP, saving gradients and metrics.
+  fixed function of the prompt text, single-process or DDP, saving gradients and metrics. Its tests (DDP's
+  sampler shards, kept rows, gradients and logged metrics equal one process's) are in ``test_sharded.py``,
+  whose helper process pair runs the DDP fits beside the FSDP2 ones.
 
 """
 
 from __future__ import annotations
 
-import csv
 import json
-import math
 import os
 import random
 import re
@@ -32,13 +32,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_harness import CONFIGS, TESTS, Proc, entry_point, make_env, start_cli, start_script, wait_all
+from cli_harness import CONFIGS, Proc, entry_point, make_env, start_cli, wait_all
 
 pytestmark = pytest.mark.slow  # every run here is a subprocess
 
 CONFIG = str(CONFIGS / "quickstart.yaml")
 HELPERS = "reliability_helpers.callbacks"
-FIXED_ROLLOUT_SCRIPT = str(TESTS / "reliability_helpers" / "ddp_fixed_rollout.py")
 TIMEOUT = 300  # per subprocess; a healthy run takes 10-30 s
 
 # The run shape shared by the resume and crash tests: 4 steps per epoch, validation at step 5.
@@ -347,107 +346,6 @@ def test_ddp_cli_fit_runs_to_completion(tmp_path, tiny_model_dir, _cache_dir):
     for r0, r1 in zip(rank0, rank1):
         assert len(r0["prompts"]) == len(r1["prompts"]) == BATCH
         assert not set(r0["prompts"]) & set(r1["prompts"]), (r0["prompts"], r1["prompts"])
-
-
-DDP_B = 4  # prompts per rank per step; the single process takes 2 * DDP_B
-DDP_STEPS = 2
-DDP_ROWS = 64
-
-
-@pytest.fixture(scope="module")
-def ddp_fixed(tmp_path_factory, tiny_model_dir, _cache_dir):
-    """The fixed-rollout script on 1 process x 2B prompts and on 2 DDP ranks x B prompts, in parallel."""
-    env = make_env(_cache_dir)
-    out = {}
-    procs = []
-    runs = (("single", 1, 2 * DDP_B, []), ("ddp", 2, DDP_B, []),
-            ("ddp_micro", 2, DDP_B, ["--micro-batch-size", "5"]))  # 16 rows per rank: 5 + 5 + 5 + 1
-    for name, devices, batch, extra in runs:
-        root = tmp_path_factory.mktemp(f"fixed_{name}")
-        args = ["--model", tiny_model_dir, "--out", root / "out", "--devices", devices, "--batch-size", batch,
-                "--steps", DDP_STEPS, "--num-train-rows", DDP_ROWS, *extra]
-        procs.append(start_script(name, FIXED_ROLLOUT_SCRIPT, args, root, env, timeout=TIMEOUT))
-        out[name] = root / "out"
-    wait_all(*procs)
-    for p in procs:
-        p.check()
-    return out
-
-
-def test_ddp_ranks_get_the_distributed_sampler_shards(ddp_fixed):
-    """ResumableSampler = DistributedSampler(shuffle, seed, drop_last): rank r takes perm[r::2].
-
-    So each step, the two ranks' batches together are exactly the single process's batch of 2B.
-    """
-    from rloo_lightning.tasks.reverse import make_rows
-
-    prompts = [r["prompt"] for r in make_rows(DDP_ROWS, 0)]  # PromptDataModule(task=reverse, seed=0)
-    perm = torch.randperm(DDP_ROWS, generator=torch.Generator().manual_seed(0)).tolist()  # seed + epoch 0
-    single = _jsonl(ddp_fixed["single"] / "prompts_rank0.jsonl")
-    ranks = [_jsonl(ddp_fixed["ddp"] / f"prompts_rank{r}.jsonl") for r in (0, 1)]
-    assert [s["step"] for s in single] == list(range(DDP_STEPS))
-    for step in range(DDP_STEPS):
-        window = perm[2 * DDP_B * step: 2 * DDP_B * (step + 1)]
-        assert single[step]["prompts"] == [prompts[i] for i in window]
-        for r in (0, 1):
-            assert ranks[r][step]["step"] == step
-            assert ranks[r][step]["prompts"] == [prompts[i] for i in window[r::2]], (step, r)
-        assert sorted(ranks[0][step]["prompts"] + ranks[1][step]["prompts"]) == sorted(single[step]["prompts"])
-
-
-def test_ddp_ranks_keep_unequal_numbers_of_rows_at_step_1(ddp_fixed):
-    """Step 1 drops rows by a hash of (prompt, sample): the ranks keep different counts, so the
-    gradient check below also covers the kept-rows normalisation (``update.loss_denominators``)."""
-    kept = {r: {e["step"]: e["kept"] for e in _jsonl(ddp_fixed["ddp"] / f"kept_rank{r}.jsonl")} for r in (0, 1)}
-    single = {e["step"]: e["kept"] for e in _jsonl(ddp_fixed["single"] / "kept_rank0.jsonl")}
-    assert kept[0][0] == kept[1][0] == 4 * DDP_B and single[0] == 8 * DDP_B
-    assert kept[0][1] != kept[1][1], kept
-    assert kept[0][1] + kept[1][1] == single[1] < 8 * DDP_B
-
-
-@pytest.mark.parametrize("run", ["ddp", "ddp_micro"])
-def test_ddp_gradient_equals_single_process_gradient(ddp_fixed, run):
-    """Also with ``micro_batch_size``: each rank's rollout in 4 forward/backward passes, one all-reduce."""
-    for step in range(DDP_STEPS):
-        single = torch.load(ddp_fixed["single"] / f"grads_rank0_step{step}.pt")
-        g0 = torch.load(ddp_fixed[run] / f"grads_rank0_step{step}.pt")
-        g1 = torch.load(ddp_fixed[run] / f"grads_rank1_step{step}.pt")
-        assert single.keys() == g0.keys() == g1.keys() and len(single) > 0
-        _assert_same_tensors(g0, g1, f"rank 0 vs rank 1 all-reduced gradient, step {step}")
-        assert any(g.abs().max() > 1e-3 for g in single.values())  # a real gradient, not ~0
-        bad = {n: (single[n] - g0[n]).abs().max().item() for n in single
-               if not torch.allclose(single[n], g0[n], rtol=1e-5, atol=1e-6)}
-        assert not bad, f"step {step}: DDP gradient != single-process gradient: {bad}"
-    # and so are the weights after the SGD steps
-    w = [torch.load(ddp_fixed[k] / f"weights_rank{r}.pt") for k, r in (("single", 0), (run, 0), (run, 1))]
-    _assert_same_tensors(w[1], w[2], "final weights, rank 0 vs rank 1")
-    for name in w[0]:
-        torch.testing.assert_close(w[1][name], w[0][name], rtol=1e-5, atol=1e-6)
-
-
-def _csv_metrics(path: Path) -> dict[int, dict[str, float]]:
-    rows = {}
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            values = {k: float(v) for k, v in row.items() if k.startswith("train/") and v != ""}
-            rows.setdefault(int(row["step"]), {}).update(values)
-    return rows
-
-
-def test_ddp_logged_train_metrics_equal_single_process(ddp_fixed):
-    """Every train/* metric is an all-reduced sum over an all-reduced count, train/loss included:
-    rank r's loss is S_r / (K / W) (K kept rows in all, W ranks), so the mean over ranks is
-    sum_r S_r / K, the single-process loss, even when the ranks keep unequal numbers of rows."""
-    single = _csv_metrics(ddp_fixed["single"] / "metrics.csv")
-    ddp = _csv_metrics(ddp_fixed["ddp"] / "metrics.csv")
-    assert sorted(single) == sorted(ddp) == list(range(DDP_STEPS))
-    for step in range(DDP_STEPS):
-        assert single[step].keys() == ddp[step].keys()
-        for tag in ("train/reward", "train/kl", "train/completion_length", "train/entropy", "train/loss",
-                    "train/advantage_abs", "train/reward_std", "train/zero_std_groups", "train/clipped_ratio"):
-            assert tag in single[step], sorted(single[step])
-        for tag, value in single[step].items():
-            assert math.isclose(ddp[step][tag], value, rel_tol=1e-5, abs_tol=1e-6), (step, tag, ddp[step][tag], value)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,12 @@ helper ...``); nothing forks inside pytest. The runs start together (2 cores) in
 * ``helper_fsdp2_micro``: FSDP2's run with micro-batches, compared with the same DDP run;
 * ``helper_fsdp1``: the same probe under Lightning's ``FSDPStrategy`` (FSDP1, ``auto_wrap_policy`` = the
   decoder layer), which refuses a CPU by an exact-type check: a subclass that only passes FSDP
-  ``device_id=cpu`` gets past it, for this test only (Lightning itself runs FSDP on GPUs only).
+  ``device_id=cpu`` gets past it, for this test only (Lightning itself runs FSDP on GPUs only);
+* ``helper_ddp_micro``: the DDP run with micro-batches;
+* ``single``: ``reliability_helpers/ddp_fixed_rollout.py`` on one process with both ranks' prompts (2B), the
+  reference of the DDP tests at the end of this file (DDP = one process, with and without micro-batches). They
+  were test_reliability's, with DDP runs of their own; they read the helper's DDP runs instead, which write the
+  files that script writes (same module, data, seed, steps and rows dropped).
 
 The generation probe, in ``training_step`` at step 0 through ``RLOOModule.sample`` (so through
 ``gathered_for_generation``): rank 0 ends every completion after 1 token (every token is an EOS), rank 1
@@ -27,15 +32,17 @@ The tiny model is the ``tiny_model_dir`` fixture (conftest).
 from __future__ import annotations
 
 import copy
+import csv
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from cli_harness import CONFIGS, Proc, make_env, start_cli, start_script
-from test_reliability import _flat_tensors
+from cli_harness import CONFIGS, TESTS, Proc, make_env, start_cli, start_script
+from test_reliability import _assert_same_tensors, _flat_tensors, _jsonl
 
 CONFIG = str(CONFIGS / "fsdp2_cpu.yaml")
 TIMEOUT = 240  # per subprocess; a healthy run takes 15-40 s here. A deadlock is killed and fails the test.
@@ -72,9 +79,16 @@ def _cli_fit(name: str, root: Path, model_dir: str, max_steps: int, env: dict, *
 
 
 # The helper's runs, in order, in one pair of processes (NAME, STRATEGY, STEPS, MICRO-BATCH SIZE, 0 for none):
-# FSDP2, FSDP2 with micro-batches (gradient sync off for all but the last micro-batch's backward), DDP, FSDP1.
+# FSDP2, FSDP2 with micro-batches (gradient sync off for all but the last micro-batch's backward), DDP, DDP with
+# micro-batches (16 rows per rank: 5 + 5 + 5 + 1), FSDP1.
 HELPER_RUNS = [("helper_fsdp2", "fsdp2", 2, 0), ("helper_fsdp2_micro", "fsdp2", 2, 5), ("helper_ddp", "ddp", 2, 0),
-               ("helper_fsdp1", "fsdp1", 1, 0)]
+               ("helper_ddp_micro", "ddp", 2, 5), ("helper_fsdp1", "fsdp1", 1, 0)]
+
+# The DDP tests' shapes (the helper's fits take them too): B prompts per rank, 2 steps, 64 rows
+FIXED_ROLLOUT_SCRIPT = str(TESTS / "reliability_helpers" / "ddp_fixed_rollout.py")
+DDP_B = 4  # prompts per rank per step; the single process takes 2 * DDP_B
+DDP_STEPS = 2
+DDP_ROWS = 64
 
 
 def _helpers(root: Path, model_dir: str, env: dict) -> Proc:
@@ -82,6 +96,13 @@ def _helpers(root: Path, model_dir: str, env: dict) -> Proc:
     for run in HELPER_RUNS:
         args += ["--run", *run]
     return start_script("helpers", __file__, args, root, env, timeout=TIMEOUT)
+
+
+def _single(root: Path, model_dir: str, env: dict) -> Proc:
+    """The fixed-rollout script on one process with 2B prompts a step: what the helper's DDP runs equal."""
+    args = ["--model", model_dir, "--out", root / "out", "--devices", 1, "--batch-size", 2 * DDP_B,
+            "--steps", DDP_STEPS, "--num-train-rows", DDP_ROWS]
+    return start_script("single", FIXED_ROLLOUT_SCRIPT, args, root, env, timeout=TIMEOUT)
 
 
 def _dcp_to_dict(folder: Path, tmp: Path) -> dict:
@@ -104,7 +125,8 @@ def runs(tmp_path_factory, tiny_model_dir, _cache_dir):
     root = tmp_path_factory.mktemp("sharded")
     t0 = time.monotonic()
     procs = {"a": _cli_fit("a", root / "a", tiny_model_dir, STEPS, env),
-             "helpers": _helpers(root / "helpers", tiny_model_dir, env)}
+             "helpers": _helpers(root / "helpers", tiny_model_dir, env),
+             "single": _single(root / "single", tiny_model_dir, env)}
     if procs["a"].wait().rc == 0:  # resume from A's own step-2 checkpoint, to step 4: compared with A's step 4
         procs["b"] = _cli_fit("b", root / "b", tiny_model_dir, STEPS, env, "--ckpt_path",
                               str(_ckpt(root / "a", RESUME_AT)))
@@ -267,6 +289,98 @@ def test_fsdp2_gradients_and_update_equal_ddp_on_a_fixed_rollout(runs, run):
         assert w.keys() == w_ddp.keys()
         for n in w:
             torch.testing.assert_close(w[n], w_ddp[n], rtol=1e-5, atol=1e-6, msg=f"weights {n}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DDP on CPU (gloo) == one process, on the same fixed rollouts. Moved from test_reliability, whose DDP runs of the
+# fixed-rollout script were the same fits as the helper's DDP runs: here they are those, two DDP start-ups fewer.
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ddp_fixed(runs):
+    """The fixed-rollout runs' output folders: one process x 2B prompts (``single``), 2 DDP ranks x B prompts
+    (``ddp``), and the same with micro-batches (``ddp_micro``)."""
+    return {"single": _ok(runs, "single").cwd / "out", "ddp": _helper_out(runs, "helper_ddp"),
+            "ddp_micro": _helper_out(runs, "helper_ddp_micro")}
+
+
+@pytest.mark.slow  # the `runs` fixture: distributed subprocesses
+def test_ddp_ranks_get_the_distributed_sampler_shards(ddp_fixed):
+    """ResumableSampler = DistributedSampler(shuffle, seed, drop_last): rank r takes perm[r::2].
+
+    So each step, the two ranks' batches together are exactly the single process's batch of 2B.
+    """
+    from rloo_lightning.tasks.reverse import make_rows
+
+    prompts = [r["prompt"] for r in make_rows(DDP_ROWS, 0)]  # PromptDataModule(task=reverse, seed=0)
+    perm = torch.randperm(DDP_ROWS, generator=torch.Generator().manual_seed(0)).tolist()  # seed + epoch 0
+    single = _jsonl(ddp_fixed["single"] / "prompts_rank0.jsonl")
+    ranks = [_jsonl(ddp_fixed["ddp"] / f"prompts_rank{r}.jsonl") for r in (0, 1)]
+    assert [s["step"] for s in single] == list(range(DDP_STEPS))
+    for step in range(DDP_STEPS):
+        window = perm[2 * DDP_B * step: 2 * DDP_B * (step + 1)]
+        assert single[step]["prompts"] == [prompts[i] for i in window]
+        for r in (0, 1):
+            assert ranks[r][step]["step"] == step
+            assert ranks[r][step]["prompts"] == [prompts[i] for i in window[r::2]], (step, r)
+        assert sorted(ranks[0][step]["prompts"] + ranks[1][step]["prompts"]) == sorted(single[step]["prompts"])
+
+
+@pytest.mark.slow  # the `runs` fixture: distributed subprocesses
+def test_ddp_ranks_keep_unequal_numbers_of_rows_at_step_1(ddp_fixed):
+    """Step 1 drops rows by a hash of (prompt, sample): the ranks keep different counts, so the
+    gradient check below also covers the kept-rows normalisation (``update.loss_denominators``)."""
+    kept = {r: {e["step"]: e["kept"] for e in _jsonl(ddp_fixed["ddp"] / f"kept_rank{r}.jsonl")} for r in (0, 1)}
+    single = {e["step"]: e["kept"] for e in _jsonl(ddp_fixed["single"] / "kept_rank0.jsonl")}
+    assert kept[0][0] == kept[1][0] == 4 * DDP_B and single[0] == 8 * DDP_B
+    assert kept[0][1] != kept[1][1], kept
+    assert kept[0][1] + kept[1][1] == single[1] < 8 * DDP_B
+
+
+@pytest.mark.slow  # the `runs` fixture: distributed subprocesses
+@pytest.mark.parametrize("run", ["ddp", "ddp_micro"])
+def test_ddp_gradient_equals_single_process_gradient(ddp_fixed, run):
+    """Also with ``micro_batch_size``: each rank's rollout in 4 forward/backward passes, one all-reduce."""
+    for step in range(DDP_STEPS):
+        single = torch.load(ddp_fixed["single"] / f"grads_rank0_step{step}.pt")
+        g0 = torch.load(ddp_fixed[run] / f"grads_rank0_step{step}.pt")
+        g1 = torch.load(ddp_fixed[run] / f"grads_rank1_step{step}.pt")
+        assert single.keys() == g0.keys() == g1.keys() and len(single) > 0
+        _assert_same_tensors(g0, g1, f"rank 0 vs rank 1 all-reduced gradient, step {step}")
+        assert any(g.abs().max() > 1e-3 for g in single.values())  # a real gradient, not ~0
+        bad = {n: (single[n] - g0[n]).abs().max().item() for n in single
+               if not torch.allclose(single[n], g0[n], rtol=1e-5, atol=1e-6)}
+        assert not bad, f"step {step}: DDP gradient != single-process gradient: {bad}"
+    # and so are the weights after the SGD steps
+    w = [torch.load(ddp_fixed[k] / f"weights_rank{r}.pt") for k, r in (("single", 0), (run, 0), (run, 1))]
+    _assert_same_tensors(w[1], w[2], "final weights, rank 0 vs rank 1")
+    for name in w[0]:
+        torch.testing.assert_close(w[1][name], w[0][name], rtol=1e-5, atol=1e-6)
+
+
+def _csv_metrics(path: Path) -> dict[int, dict[str, float]]:
+    rows = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            values = {k: float(v) for k, v in row.items() if k.startswith("train/") and v != ""}
+            rows.setdefault(int(row["step"]), {}).update(values)
+    return rows
+
+
+@pytest.mark.slow  # the `runs` fixture: distributed subprocesses
+def test_ddp_logged_train_metrics_equal_single_process(ddp_fixed):
+    """Every train/* metric is an all-reduced sum over an all-reduced count, train/loss included:
+    rank r's loss is S_r / (K / W) (K kept rows in all, W ranks), so the mean over ranks is
+    sum_r S_r / K, the single-process loss, even when the ranks keep unequal numbers of rows."""
+    single = _csv_metrics(ddp_fixed["single"] / "metrics.csv")
+    ddp = _csv_metrics(ddp_fixed["ddp"] / "metrics.csv")
+    assert sorted(single) == sorted(ddp) == list(range(DDP_STEPS))
+    for step in range(DDP_STEPS):
+        assert single[step].keys() == ddp[step].keys()
+        for tag in ("train/reward", "train/kl", "train/completion_length", "train/entropy", "train/loss",
+                    "train/advantage_abs", "train/reward_std", "train/zero_std_groups", "train/clipped_ratio"):
+            assert tag in single[step], sorted(single[step])
+        for tag, value in single[step].items():
+            assert math.isclose(ddp[step][tag], value, rel_tol=1e-5, abs_tol=1e-6), (step, tag, ddp[step][tag], value)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -620,12 +734,16 @@ def _helper_fit(model_dir: str, out: Path, strategy_name: str, steps: int,
                 return
             grads = {n: full(p.grad).detach().clone() for n, p in self.policy.named_parameters() if p.grad is not None}
             torch.save(grads, out / f"full_grads_rank{self.global_rank}_step{self.global_step}.pt")
+            if strategy_name == "ddp":  # and as ddp_fixed_rollout.py names them (the DDP tests read both)
+                torch.save(grads, out / f"grads_rank{self.global_rank}_step{self.global_step}.pt")
 
         def on_train_end(self) -> None:
             if strategy_name == "fsdp1":
                 return
             state = {n: full(v).detach().clone() for n, v in self.policy.state_dict().items()}
             torch.save(state, out / f"full_weights_rank{self.global_rank}.pt")
+            if strategy_name == "ddp":
+                torch.save(state, out / f"weights_rank{self.global_rank}.pt")
 
     module = Probed(
         model_dir, rewards={"funcs": ["rloo_lightning.tasks.reverse.reward"]},
@@ -633,8 +751,8 @@ def _helper_fit(model_dir: str, out: Path, strategy_name: str, steps: int,
         update={"warmup_ratio": 0.0, "micro_batch_size": micro_batch_size}, validation={"at_start": False},
         out=str(out), optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
     )
-    data = PromptDataModule(tokenizer_name_or_path=model_dir, task="reverse", batch_size=4,
-                            num_train_rows=64, num_val_rows=4, max_new_tokens=6)
+    data = PromptDataModule(tokenizer_name_or_path=model_dir, task="reverse", batch_size=DDP_B,
+                            num_train_rows=DDP_ROWS, num_val_rows=4, max_new_tokens=6)
     if strategy_name == "ddp":
         strategy = "ddp"
     elif strategy_name == "fsdp2":
