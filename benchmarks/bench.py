@@ -60,6 +60,7 @@ if str(ROOT) not in sys.path:  # benchmarks/ is a package at the repository's ro
     sys.path.insert(0, str(ROOT))
 from benchmarks.bench_common import (  # noqa: E402
     QUICKSTART,
+    emit_json,
     child_env,
     read_spec,
     scalar_curves,
@@ -519,10 +520,7 @@ def main(argv: list[str] | None = None) -> None:
     meta["notes"] = NOTES
     meta["machine_limits"] = limits
     report["meta"] = meta
-    text = json.dumps(report, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    emit_json(report, args.out)
 
 
 NOTES = [
