@@ -375,11 +375,13 @@ class UpdateArgs:
 class CorrectionArgs:
     """Importance correction for a sampler that is not exactly pi_theta (an engine that reports its log-probs).
 
-    Off by default (the paper samples from pi_theta itself). When the engine reports log pi_s of each
-    sampled token, ``train/mismatch/*`` is logged whatever these options say.
+    Off by default with the engines that sample from pi_theta itself (as the paper does). When the engine reports
+    log pi_s of each sampled token, ``train/mismatch/*`` is logged whatever these options say.
 
     Args:
-        level: ``none``; ``sequence``: one detached weight w_i = pi_theta(y_i) / pi_s(y_i) multiplies
+        level: ``auto`` (the default): the engine's own choice, its ``default_correction`` (``none`` for the
+            engines of :mod:`rloo_lightning.engines` and :mod:`rloo_lightning.decode`; ``token`` for
+            :class:`~rloo_lightning.vllm_engine.VLLMEngine`); ``none``; ``sequence``: one detached weight w_i = pi_theta(y_i) / pi_s(y_i) multiplies
             (R_i - b_i) grad log pi_theta(y_i): unbiased when untruncated (``cap: null``), but its variance
             grows fast with the mismatch and the length; ``token``: w_it = pi_theta(y_it|.) / pi_s(y_it|.)
             per token: far lower variance, biased (it reweights each token but not the prefix it follows).
@@ -391,7 +393,7 @@ class CorrectionArgs:
     """
 
     prefix: ClassVar[str] = "correction"
-    level: Literal["none", "sequence", "token"] = "none"
+    level: Literal["auto", "none", "sequence", "token"] = "auto"
     mode: Literal["truncate", "mask"] = "truncate"
     cap: float | None = 2.0
     lower: float | None = None
@@ -402,6 +404,13 @@ class CorrectionArgs:
             raise ValueError(f"correction.cap must be > 0 or null, got {self.cap}")
         if self.lower is not None and not (0 <= self.lower < (self.cap if self.cap is not None else float("inf"))):
             raise ValueError(f"correction.lower must be in [0, correction.cap), got {self.lower}")
+
+    def for_engine(self, engine) -> CorrectionArgs:
+        """These options with ``level: auto`` replaced by ``engine``'s ``default_correction`` (``none`` if it has
+        none)."""
+        if self.level != "auto":
+            return self
+        return dataclasses.replace(self, level=getattr(engine, "default_correction", None) or "none")
 
 
 @dataclass(frozen=True)

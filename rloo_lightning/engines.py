@@ -63,8 +63,17 @@ class GenerationEngine:
         repeated k times)."""
         raise NotImplementedError
 
+    #: The ``correction.level`` that ``level: auto`` means with this engine (None: ``none``).
+    default_correction: str | None = None
+
     def on_weights_updated(self, model) -> None:
-        """Called after each optimizer step; an engine holding its own weights copies them here."""
+        """Called after each optimizer step, and at the start of fit, validate, test and predict (weights may have
+        been restored from a checkpoint): an engine holding its own copy of the weights refreshes it before its
+        next generation."""
+
+    def prepare(self, model, tokenizer, generation_config) -> None:
+        """Called once the policy is loaded, with the module's sampling config: raise if this engine cannot sample
+        from this model with these options (before any rollout)."""
 
     def check(self, device: torch.device) -> None:
         """Called at setup, before any model is loaded: raise if this engine cannot run on ``device``."""

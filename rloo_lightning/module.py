@@ -117,6 +117,8 @@ class RLOOModule(LightningModule):
                      correction=correction, dynamic_sampling=dynamic_sampling, validation=validation, policy=policy,
                      predict=predict, environment=environment, run=run)
         cfg = {name: as_group(GROUPS[name], value) for name, value in given.items()}
+        self.engine = generation_engine or DecodeLoopEngine()
+        cfg["correction"] = cfg["correction"].for_engine(self.engine)  # level auto: the engine's default
         self.cfg = Options(**cfg)
         check_options(self.cfg)
         if self.cfg.policy.lora is not None:
@@ -124,7 +126,6 @@ class RLOOModule(LightningModule):
         # Checkpoints hold plain dicts of primitives: load_from_checkpoint rebuilds the groups from them.
         self.save_hyperparameters({"model_name_or_path": model_name_or_path, **to_primitives(cfg)})
         c = self.cfg
-        self.engine = generation_engine or DecodeLoopEngine()
         if c.correction.level != "none" and self.engine.reports_logprobs is False:
             raise ValueError(f"correction.level={c.correction.level!r} needs an engine that reports its log-probs; "
                              f"{type(self.engine).__name__} does not (DecodeLoopEngine or HFGenerateEngine: "
@@ -213,6 +214,7 @@ class RLOOModule(LightningModule):
         self.eos_token_ids = c.sampling.eos_token_ids or default_eos_ids(tokenizer, self.policy.generation_config)
         self.generation_config, self.greedy_config = generation_configs(c.sampling, self.eos_token_ids,
                                                                         tokenizer.pad_token_id)
+        self.engine.prepare(self.policy, tokenizer, self.generation_config)  # refusals before any rollout
 
     @property
     def reference(self) -> torch.nn.Module | None:
@@ -587,10 +589,19 @@ class RLOOModule(LightningModule):
             out["accuracy_greedy"] = (greedy.rewards >= v.success_threshold).float()
         return out
 
+    def on_fit_start(self) -> None:
+        self.engine.on_weights_updated(self.policy)  # weights restored from --ckpt_path: an engine's copy is stale
+
+    def on_test_start(self) -> None:
+        self.engine.on_weights_updated(self.policy)
+
     def on_predict_start(self) -> None:
+        self.engine.on_weights_updated(self.policy)
         stop.set_phase("predict")  # from here PredictionWriter stops after the batch in progress is written
 
     def on_validation_start(self) -> None:
+        if self.trainer.state.fn == "validate":
+            self.engine.on_weights_updated(self.policy)
         if self.global_step > 0 and self.trainer.training is False:
             stop.set_phase("validation")  # a SIGTERM now ends the run at the next token: the step is kept
 

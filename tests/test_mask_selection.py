@@ -84,7 +84,7 @@ def test_the_grid_covers_every_option():
     assert set(KL_ESTIMATORS) == set(typing.get_args(typing.get_type_hints(KLArgs)["estimator"]))
     assert set(PLACEMENTS) == set(typing.get_args(typing.get_type_hints(KLArgs)["placement"]))
     assert set(PLACEMENTS) == set(typing.get_args(typing.get_type_hints(fold_kl)["placement"]))
-    assert {"none", *LEVELS} == set(typing.get_args(typing.get_type_hints(CorrectionArgs)["level"]))
+    assert {"auto", "none", *LEVELS} == set(typing.get_args(typing.get_type_hints(CorrectionArgs)["level"]))
     assert set(MODES) == set(typing.get_args(typing.get_type_hints(CorrectionArgs)["mode"]))
 
 
