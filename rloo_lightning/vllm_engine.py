@@ -24,6 +24,7 @@ never imports vLLM; this module imports it only inside the child.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import tempfile
@@ -297,6 +298,9 @@ class _Worker:
             self.process.start()
         child.close()
         self.timeout = timeout
+        # Before multiprocessing's own exit handler (atexit runs last-registered first), which would SIGTERM the
+        # child (it ignores SIGTERM) and wait for it without a limit.
+        atexit.register(self.close)
 
     def call(self, verb: str, *args):
         """Send one request and wait for its answer. A stop signal (:func:`rloo_lightning.stop.check`) while the
@@ -328,6 +332,7 @@ class _Worker:
         return value
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         if self.process.is_alive():
             with contextlib.suppress(OSError, BrokenPipeError):
                 self.conn.send(("close", ()))

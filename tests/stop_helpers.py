@@ -9,6 +9,7 @@ import signal
 from lightning.pytorch import Callback
 
 from rloo_lightning.decode import DecodeLoopEngine
+from rloo_lightning.vllm_engine import VLLMEngine  # does not import vLLM
 
 
 def _record(event: str) -> int:
@@ -67,6 +68,23 @@ class SignallingEngine(DecodeLoopEngine):
     def generate(self, *args, **kwargs):
         if self.calls == self.at_call and int(os.environ.get("LOCAL_RANK", "0")) == self.rank:
             _record(f"signal at generate call {self.at_call}")
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.calls += 1
+        return super().generate(*args, **kwargs)
+
+
+
+class SignallingVLLMEngine(VLLMEngine):
+    """:class:`~rloo_lightning.vllm_engine.VLLMEngine` that sends its own process SIGTERM as its ``at_call``-th
+    generation (from 0) starts: the engine's wait for the child sees the signal and ends the rollout there."""
+
+    def __init__(self, at_call: int = -1) -> None:
+        super().__init__()
+        self.at_call, self.calls = at_call, 0
+
+    def generate(self, *args, **kwargs):
+        if self.calls == self.at_call:
+            _record(f"signal at vllm generate call {self.at_call}")
             os.kill(os.getpid(), signal.SIGTERM)
         self.calls += 1
         return super().generate(*args, **kwargs)

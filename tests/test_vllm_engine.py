@@ -12,6 +12,8 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from cli_harness import CONFIGS
+
 from rloo_lightning.config import CorrectionArgs
 from rloo_lightning.decode import DecodeLoopEngine
 from rloo_lightning.tasks import reverse
@@ -301,3 +303,149 @@ def h32_model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("reverse_h32")
     reverse.build_tiny_model(directory, num_heads=2)
     return str(directory)
+
+
+ENGINE = ["--model.generation_engine", "rloo_lightning.vllm_engine.VLLMEngine"]
+
+
+def _fit(root, model_dir: str, steps: int, *extra, config: str = "quickstart.yaml") -> list:
+    return ["fit", "--config", CONFIGS / config, "--model.model_name_or_path", model_dir,
+            "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",
+            "--model.validation.at_start", "false", "--trainer.default_root_dir", root,
+            "--trainer.enable_progress_bar", "false", "--data.num_train_rows", "16", "--data.num_val_rows", "8",
+            "--data.batch_size", "4", *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, h32_model_dir):
+    """a: 6 steps with VLLMEngine. b: 3 steps, then resumed from its last.ckpt to 6. c: a SIGTERM inside step 4's
+    generation (the engine's call 3), then resumed to 6. d: the default engine, 6 steps."""
+    if not vllm_available():
+        pytest.skip("vLLM is not installed")
+    from cli_harness import make_env, start_cli, wait_all
+
+    root = tmp_path_factory.mktemp("vllm_runs")
+    env = make_env(root / "cache", STOP_LOG=str(root / "events"))
+    a, b, c, d = (root / n for n in "abcd")
+    recorder = ["--trainer.callbacks+=reliability_helpers.callbacks.RolloutRecorder"]
+    procs = {"a": start_cli("a", _fit(a, h32_model_dir, 6, *ENGINE, *recorder, f"--trainer.callbacks.path={a}/r"),
+                            a, env),
+             "b": start_cli("b", _fit(b, h32_model_dir, 3, *ENGINE, *recorder, f"--trainer.callbacks.path={b}/r"),
+                            b, env)}
+    wait_all(*procs.values())
+    procs["c"] = start_cli("c", _fit(c, h32_model_dir, 6, "--model.generation_engine",
+                                     "stop_helpers.SignallingVLLMEngine",
+                                     "--model.generation_engine.at_call", "3"), c, env)
+    procs["b2"] = start_cli("b2", _fit(b, h32_model_dir, 6, *ENGINE, *recorder, f"--trainer.callbacks.path={b}/r",
+                                       "--ckpt_path", b / "lightning_logs/version_0/checkpoints/last.ckpt"), b, env)
+    wait_all(procs["c"], procs["b2"])
+    last_c = c / "lightning_logs/version_0/checkpoints/last.ckpt"
+    procs["c2"] = start_cli("c2", _fit(c, h32_model_dir, 6, *ENGINE, "--ckpt_path", last_c), c, env)
+    procs["d"] = start_cli("d", _fit(d, h32_model_dir, 6), d, env)
+    wait_all(procs["c2"], procs["d"])
+    return {"dirs": {"a": a, "b": b, "c": c, "d": d}, "procs": procs, "last_c": last_c}
+
+
+def _ckpt(path):
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _policy(ckpt) -> dict:
+    return {k: v for k, v in ckpt["state_dict"].items() if k.startswith("policy.")}
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_a_fit_with_vllm_logs_the_mismatch_and_corrects_by_default(runs):
+    from test_reliability import _scalars
+
+    runs["procs"]["a"].check()
+    scalars = _scalars(runs["dirs"]["a"] / "lightning_logs/version_0")
+    assert len(scalars["train/mismatch/kl_k3"]) == 6
+    assert max(abs(v) for v in scalars["train/mismatch/seq_log_ratio"].values()) < 1e-3  # fp32: vLLM ~ pi_theta
+    assert "train/correction/weight_mean" in scalars  # correction.level auto: token-level TIS with this engine
+    assert _ckpt(runs["dirs"]["a"] / "lightning_logs/version_0/checkpoints/last.ckpt")["hyper_parameters"][
+        "correction"]["level"] == "token"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_a_resumed_run_replays_the_same_rollouts_and_ends_bit_identical(runs):
+    import json
+
+    for name in ("b", "b2"):
+        runs["procs"][name].check()
+    read = lambda p: [json.loads(line) for line in p.read_text().splitlines()]  # noqa: E731
+    a, b = read(runs["dirs"]["a"] / "r"), read(runs["dirs"]["b"] / "r")
+    assert [r["global_step"] for r in b] == list(range(6))
+    assert [(r["completions"], r["rewards"]) for r in a] == [(r["completions"], r["rewards"]) for r in b]
+    end_a = _ckpt(runs["dirs"]["a"] / "lightning_logs/version_0/checkpoints/last.ckpt")
+    end_b = _ckpt(runs["dirs"]["b"] / "lightning_logs/version_1/checkpoints/last.ckpt")
+    assert all(torch.equal(v, _policy(end_b)[k]) for k, v in _policy(end_a).items())
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_a_sigterm_during_vllm_generation_keeps_the_step_before_and_resumes_exactly(runs):
+    proc = runs["procs"]["c"].wait()
+    assert proc.rc == 143, proc.explain()
+    assert _ckpt(runs["last_c"])["global_step"] == 3
+    runs["procs"]["c2"].check()
+    end_a = _ckpt(runs["dirs"]["a"] / "lightning_logs/version_0/checkpoints/last.ckpt")
+    end_c = _ckpt(runs["dirs"]["c"] / "lightning_logs/version_1/checkpoints/last.ckpt")
+    assert all(torch.equal(v, _policy(end_c)[k]) for k, v in _policy(end_a).items())
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_the_default_engine_and_vllm_start_from_the_same_rollout(runs):
+    """Not the same samples (other random streams), but the same prompts and the same first weights."""
+    runs["procs"]["d"].check()
+    a = _ckpt(runs["dirs"]["a"] / "lightning_logs/version_0/checkpoints/last.ckpt")
+    d = _ckpt(runs["dirs"]["d"] / "lightning_logs/version_0/checkpoints/last.ckpt")
+    assert a["global_step"] == d["global_step"] == 6
+    assert d["hyper_parameters"]["correction"]["level"] == "none"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_rank_fits_under_ddp_and_fsdp2(tmp_path, h32_model_dir, strategy):
+    from cli_harness import make_env, run_cli
+
+    if strategy == "ddp":
+        args = _fit(tmp_path, h32_model_dir, 2, "--trainer.strategy", "ddp", "--trainer.devices", "2", *ENGINE)
+    else:
+        args = _fit(tmp_path, h32_model_dir, 2, *ENGINE, config="fsdp2_cpu.yaml")
+    proc = run_cli(strategy, args, tmp_path, make_env(tmp_path / "cache"))
+    from test_reliability import _scalars
+
+    scalars = _scalars(tmp_path / "lightning_logs/version_0")
+    assert len(scalars["train/mismatch/kl_k3"]) == 2, proc.explain()
+    assert max(abs(v) for v in scalars["train/mismatch/seq_log_ratio"].values()) < 1e-3
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_multi_turn_episodes_through_vllm(tmp_path):
+    from cli_harness import make_env, run_cli
+    from test_reliability import _scalars
+
+    from rloo_lightning.tasks import guess
+
+    model_dir = tmp_path / "guess_h32"
+    guess.build_tiny_model(model_dir, num_heads=2)
+    args = ["fit", "--config", CONFIGS / "multiturn.yaml", "--model.model_name_or_path", model_dir,
+            "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", "--model.validation.at_start", "false",
+            "--trainer.default_root_dir", tmp_path, "--trainer.enable_progress_bar", "false",
+            "--data.num_train_rows", "8", "--data.num_val_rows", "8", "--data.batch_size", "4", *ENGINE]
+    proc = run_cli("multiturn", args, tmp_path, make_env(tmp_path / "cache"))
+    scalars = _scalars(tmp_path / "lightning_logs/version_0")
+    assert len(scalars["train/mismatch/kl_k3"]) == 2, proc.explain()
+    assert max(abs(v) for v in scalars["train/mismatch/seq_log_ratio"].values()) < 1e-3

@@ -62,10 +62,12 @@ def reward(prompts, completions, completion_ids, secret, **columns) -> list[floa
     return [score(c, s) for c, s in zip(completions, secret)]
 
 
-def build_tiny_model(directory: Path) -> None:
-    """Tokenizer + tiny Llama, warm-started on the transcript format only, saved to ``directory``."""
+def build_tiny_model(directory: Path, num_heads: int = 4) -> None:
+    """Tokenizer + tiny Llama, warm-started on the transcript format only, saved to ``directory``.
+
+    ``num_heads=2`` gives head size 32, which vLLM's CPU attention supports (the task's own model has 16)."""
     tok = build_char_tokenizer(LETTERS + "?=-|", model_max_length=48)
-    model = build_tiny_llama(tok, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=48,
+    model = build_tiny_llama(tok, hidden_size=64, num_layers=2, num_heads=num_heads, max_position_embeddings=48,
                              seed=WARM_START_SEED)
     rng = random.Random(WARM_START_SEED)
     eos = tok.eos_token_id
