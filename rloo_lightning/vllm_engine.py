@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import os
 import tempfile
 import time
@@ -162,7 +163,11 @@ class VLLMEngine(GenerationEngine):
     def _start(self, model) -> None:
         base = _base_model(model)
         self._config_dir = tempfile.TemporaryDirectory(prefix="rloo_vllm_")
-        config = base.config
+        config = copy.deepcopy(base.config)
+        # The weights pushed are the policy's own, dequantized (a GGUF file is dequantized at load): vLLM must not
+        # look for the checkpoint's quantization.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
         config.save_pretrained(self._config_dir.name)
         device = self._device or next(model.parameters()).device
         dtype = {"auto": _dtype_name(next(model.parameters()).dtype)}.get(self.dtype, self.dtype)
