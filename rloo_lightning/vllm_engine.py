@@ -84,6 +84,8 @@ class VLLMEngine(GenerationEngine):
         enable_prefix_caching: share the KV blocks of a prompt's k copies (reset after every push).
         enforce_eager: no CUDA graphs (GPU): slower decoding, faster start, less memory.
         startup_timeout: seconds the child may take to import vLLM and build the engine.
+        sampler_temperature: sample at this temperature instead of ``sampling.temperature`` (the log-probs follow
+            it): a sampler that differs from pi_theta by a known amount, to test the correction.
 
     Sampling comes from the module's own options (``sampling.temperature``, ``top_k``, ``top_p``,
     ``max_new_tokens``, the EOS ids, the per-step seeds). Refused at setup: ``sampling.repetition_penalty``
@@ -104,7 +106,8 @@ class VLLMEngine(GenerationEngine):
     def __init__(self, dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
                  kv_cache_bytes: int | None = None, gpu_memory_utilization: float = 0.3, sleep_level: int = 0,
                  max_model_len: int | None = None, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
-                 enforce_eager: bool = True, startup_timeout: float = 600.0) -> None:
+                 enforce_eager: bool = True, startup_timeout: float = 600.0,
+                 sampler_temperature: float | None = None) -> None:
         if dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"VLLMEngine dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
         if kv_cache_bytes is not None and kv_cache_bytes <= 0:
@@ -115,6 +118,9 @@ class VLLMEngine(GenerationEngine):
             raise ValueError(f"VLLMEngine sleep_level must be 0, 1 or 2, got {sleep_level}")
         if max_num_seqs < 1:
             raise ValueError(f"VLLMEngine max_num_seqs must be >= 1, got {max_num_seqs}")
+        if sampler_temperature is not None and sampler_temperature <= 0:
+            raise ValueError(f"VLLMEngine sampler_temperature must be > 0, got {sampler_temperature}")
+        self.sampler_temperature = sampler_temperature
         self.dtype, self.kv_cache_bytes, self.gpu_memory_utilization = dtype, kv_cache_bytes, gpu_memory_utilization
         self.sleep_level, self.max_model_len, self.max_num_seqs = sleep_level, max_model_len, max_num_seqs
         self.enable_prefix_caching, self.enforce_eager, self.startup_timeout = (enable_prefix_caching, enforce_eager,
@@ -212,6 +218,8 @@ class VLLMEngine(GenerationEngine):
             self.push(model)
         prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         params = _sampling_params(generation_config)
+        if self.sampler_temperature is not None and params["temperature"] > 0:
+            params["temperature"] = self.sampler_temperature
         seeds = [(seed + 0x9E3779B97F4A7C15 * (i + 1)) % 2**63 for i in range(len(prompts))]
         samples = self._worker.call("generate", prompts, params, seeds, self.sleep_level)
         width = max(1, max(len(ids) for ids, _ in samples))

@@ -38,7 +38,8 @@ def test_correction_auto_is_the_engines_default():
 
 @pytest.mark.parametrize("kwargs, option", [({"dtype": "int4"}, "dtype"), ({"kv_cache_bytes": 0}, "kv_cache_bytes"),
                                             ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
-                                            ({"sleep_level": 3}, "sleep_level"), ({"max_num_seqs": 0}, "max_num_seqs")])
+                                            ({"sleep_level": 3}, "sleep_level"), ({"max_num_seqs": 0}, "max_num_seqs"),
+                                            ({"sampler_temperature": 0.0}, "sampler_temperature")])
 def test_bad_options_are_refused_when_made(kwargs, option):
     with pytest.raises(ValueError, match=option):
         VLLMEngine(**kwargs)
@@ -493,3 +494,30 @@ def test_smollm2_logprobs_after_three_pushes_and_greedy_ids():
                for a, b in zip(out, ref))
     assert max(worst) < 1e-3, worst
     assert same >= 15, same
+
+
+# -- the benchmark and the study, at their smallest ---------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_the_vllm_benchmark_and_learning_study_run_at_their_smallest(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from cli_harness import REPO, make_env
+
+    env = make_env(tmp_path / "cache")
+    bench = tmp_path / "bench.json"
+    subprocess.run([sys.executable, "-m", "benchmarks", "vllm_compare", "--steps", "1", "--batch-size", "2", "--k",
+                    "2", "--max-new-tokens", "4", "--threads", "1", "--engines", "default", "vllm", "--out", bench],
+                   cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
+    record = json.loads(bench.read_text())["systems"]
+    assert record["default"]["timed_steps"] == record["vllm"]["timed_steps"] == 1
+    assert record["vllm"]["pushes"] >= 2 and record["vllm"]["engine_peak_rss_mb"] > 0
+    study = tmp_path / "learn.json"
+    subprocess.run([sys.executable, REPO / "experiments/vllm/vllm_learning.py", "--steps", "2", "--seeds", "0",
+                    "--val-rows", "8", "--out", study], cwd=REPO, env=env, check=True, capture_output=True,
+                   timeout=600)
+    runs = json.loads(study.read_text())["runs"]
+    assert set(runs) == {"default/0", "vllm/0"}
