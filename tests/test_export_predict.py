@@ -241,3 +241,36 @@ def test_cli_predict_stops_at_sigterm_after_the_batch_in_progress_is_written(tin
     assert 0 < len(rows) < 6 and len(rows) % 2 == 0  # whole batches, not all three
     assert f"predict stopped by SIGTERM after batch {len(rows) // 2 - 1}: {len(rows)} completions are in {out}" in (
         proc.log)
+
+
+# -- an engine with its own copy of the weights is told before each entry point generates ---------------------
+def test_fit_validate_test_and_predict_each_tell_the_engine_before_generating(tiny_model_dir, tmp_path):
+    """A restored checkpoint (``--ckpt_path``) changes the weights without an optimizer step: an engine holding a
+    copy (VLLMEngine, ReducedPrecisionEngine) must refresh it before the entry point's first generation."""
+    from rloo_lightning.decode import DecodeLoopEngine
+
+    class Recording(DecodeLoopEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.events: list[str] = []
+
+        def on_weights_updated(self, model) -> None:
+            self.events.append("stale")
+
+        def generate(self, *args, **kwargs):
+            self.events.append("generate")
+            return super().generate(*args, **kwargs)
+
+    engine = Recording()
+    module = _module(tiny_model_dir, generation_engine=engine,
+                     predict={"output_file": str(tmp_path / "predictions.jsonl")})
+    data = _data(tiny_model_dir, task="reverse", num_train_rows=4, num_val_rows=4, predict_file=_prompt_file(tmp_path))
+    trainer = Trainer(accelerator="cpu", max_steps=1, limit_val_batches=1, logger=False, default_root_dir=str(tmp_path),
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    for run in (lambda: trainer.fit(module, datamodule=data), lambda: trainer.validate(module, datamodule=data),
+                lambda: trainer.test(module, datamodule=data),
+                lambda: trainer.predict(module, datamodule=data, return_predictions=False)):
+        engine.events.clear()
+        run()
+        assert "generate" in engine.events and engine.events.index("stale") < engine.events.index("generate"), \
+            engine.events
