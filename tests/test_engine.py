@@ -57,7 +57,7 @@ def test_custom_engine_feeds_the_whole_step(tiny_model_dir):
     trainer.fit(module, datamodule=data)
     assert [c[:2] for c in engine.calls] == [(6, 6), (6, 6)]  # 3 prompts x k=2, the module's budget
     assert engine.calls[0][2] != engine.calls[1][2]  # a fresh seed each step
-    assert engine.syncs == 2  # after each optimizer step
+    assert engine.syncs == 3  # at fit start (weights may come from a checkpoint), then after each optimizer step
     metrics = trainer.callback_metrics
     assert metrics["train/completion_length"] == 4  # 3 echoed tokens + EOS, nothing truncated
     assert metrics["train/clipped_ratio"] == 0
@@ -77,7 +77,7 @@ def test_engine_resyncs_only_after_optimizer_steps(tiny_model_dir):
     trainer = Trainer(accelerator="cpu", max_steps=2, accumulate_grad_batches=2, limit_val_batches=0, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, datamodule=data)
-    assert len(engine.calls) == 4 and engine.syncs == 2  # 4 rollouts, 2 optimizer steps
+    assert len(engine.calls) == 4 and engine.syncs == 1 + 2  # 4 rollouts; fit start, then 2 optimizer steps
 
 
 def test_default_engine_is_the_decode_loop_and_seeded(tiny_model_dir):
