@@ -63,6 +63,7 @@ from benchmarks.bench_common import (  # noqa: E402
     emit_json,
     child_env,
     read_spec,
+    run_child_verb,
     scalar_curves,
     set_threads,
     write_result,
@@ -391,12 +392,7 @@ def _versions() -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("_a", "_prepare"):
-        sub = argparse.ArgumentParser()
-        sub.add_argument("--spec", required=True)
-        sub.add_argument("--out", required=True)
-        args = sub.parse_args(argv[1:])
-        (run_a if argv[0] == "_a" else run_prepare)(args.spec, args.out)
+    if run_child_verb(argv, {"_a": run_a, "_prepare": run_prepare}):
         return
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

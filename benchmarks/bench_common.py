@@ -84,17 +84,31 @@ def read_spec(path: str) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def child_args(argv: list[str] | None = None) -> tuple:
-    """A benchmark child's ``--spec`` / ``--out`` arguments and its spec, with its thread count set."""
+def _spec_out(argv: list[str] | None):
     import argparse
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def child_args(argv: list[str] | None = None) -> tuple:
+    """A benchmark child's ``--spec`` / ``--out`` arguments and its spec, with its thread count set."""
+    args = _spec_out(argv)
     spec = read_spec(args.spec)
     set_threads(spec["threads"])
     return args, spec
+
+
+def run_child_verb(argv: list[str], verbs: dict) -> bool:
+    """When ``argv`` starts with one of ``verbs`` (a script's child entry points, ``{"_a": run_a}``), run it with
+    the child's ``--spec`` and ``--out`` paths and return True; False otherwise (the parent's own arguments)."""
+    if not argv or argv[0] not in verbs:
+        return False
+    args = _spec_out(argv[1:])
+    verbs[argv[0]](args.spec, args.out)
+    return True
 
 
 def write_result(path: str, result: dict) -> None:

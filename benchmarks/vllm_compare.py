@@ -53,7 +53,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # benchmarks/ is a package at the repository's root: run as a file, from anywhere
     sys.path.insert(0, str(ROOT))
 from benchmarks.bench import _child, _median, _r, _tb_scalars, _versions  # noqa: E402
-from benchmarks.bench_common import QUICKSTART, Clock, emit_json, read_spec, set_threads, write_result  # noqa: E402
+from benchmarks.bench_common import (  # noqa: E402
+    QUICKSTART, Clock, emit_json, read_spec, run_child_verb, set_threads, write_result)
 
 SCRIPT = Path(__file__).resolve()
 ENGINES = ("default", "vllm", "trl_vllm")
@@ -307,12 +308,7 @@ def _build_default_model(folder: Path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("_ours", "_trl"):
-        sub = argparse.ArgumentParser()
-        sub.add_argument("--spec", required=True)
-        sub.add_argument("--out", required=True)
-        args = sub.parse_args(argv[1:])
-        (run_ours if argv[0] == "_ours" else run_trl)(args.spec, args.out)
+    if run_child_verb(argv, {"_ours": run_ours, "_trl": run_trl}):
         return
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -339,8 +335,9 @@ def main(argv: list[str] | None = None) -> None:
     default_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     parser.add_argument("--threads", type=int, default=default_threads, help="torch/OpenMP threads in every system")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, help="learning rate (default: the quickstart's 1e-3, for its tiny model; "
-                        "a pretrained model wants far less, e.g. 1e-6: a step must not change the completions' lengths)")
+    parser.add_argument("--lr", type=float, help="learning rate (default: the quickstart's 1e-3, for its tiny "
+                        "model; a pretrained model wants far less, e.g. 1e-6: a step must not change the completions' "
+                        "lengths)")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, specs, results)")
     args = parser.parse_args(argv)
