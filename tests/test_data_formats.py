@@ -194,6 +194,28 @@ def test_unsupported_extension_raises(tiny_model_dir, tmp_path):
         dm.setup("fit")
 
 
+@pytest.mark.parametrize("suffix,line", [(".jsonl", 40), (".json", 41), (".csv", 41)])
+def test_a_byte_that_is_not_utf8_is_named_by_file_line_and_column(tmp_path, suffix, line):
+    """Latin-1 in row 40 (a header or '[' line first in .csv/.json), far past the codec's first chunk: the error
+    names the line an editor shows, not the codec's byte offset; the CLI prints it as one line."""
+    from rloo_lightning.cli import error_line
+
+    path = tmp_path / f"latin1{suffix}"
+    rows = [{"prompt": f"row {i}="} for i in range(1, 201)]
+    if suffix == ".jsonl":
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+    elif suffix == ".json":
+        text = "[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n"
+    else:
+        text = "prompt\n" + "".join(r["prompt"] + "\n" for r in rows)
+    path.write_bytes(text.encode().replace(b"row 40=", b"r\xe9sum\xe9 40="))
+    with pytest.raises(ValueError) as err:
+        read_rows(str(path))
+    column = text.splitlines()[line - 1].index("row 40=") + 2
+    assert error_line(err.value) == (f"error: {path} line {line}: byte 0xe9 at column {column} is not UTF-8; the "
+                                     "file must be UTF-8 text (re-save it with UTF-8 encoding)")
+
+
 def test_unreadable_parquet_names_the_file(tiny_model_dir, tmp_path):
     path = tmp_path / "broken.parquet"
     path.write_bytes(b"this is not parquet")

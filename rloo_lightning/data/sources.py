@@ -10,6 +10,7 @@ streamed, so it is parsed whole).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -35,11 +36,29 @@ class Source:
     rows: Callable[[], Iterator[tuple[str, dict]]] = field(repr=False)
 
 
+# Text files are read with errors="surrogateescape": a byte that is not UTF-8 becomes one of these code points
+# (a UTF-8 file can hold none of them), so the line that holds it can be named; the codec's own error gives a
+# byte offset into whatever chunk it was decoding.
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")
+
+
+def _check_utf8(text: str, name: str, first_line: int = 1) -> None:
+    """A ``ValueError`` naming the file, line and column of the first byte of ``text`` that was not UTF-8."""
+    bad = _NOT_UTF8.search(text)
+    if bad is None:
+        return
+    line = first_line + text.count("\n", 0, bad.start())
+    column = bad.start() - text.rfind("\n", 0, bad.start())
+    raise ValueError(f"{name} line {line}: byte {ord(bad.group()) - 0xDC00:#04x} at column {column} is not UTF-8; "
+                     "the file must be UTF-8 text (re-save it with UTF-8 encoding)")
+
+
 # Where a row is, in every message: "<file> line N" in a .jsonl file (the line an editor shows), "<file> row N"
 # elsewhere; both count from 1.
 def _jsonl_rows(path: Path, name: str) -> Iterator[tuple[str, dict]]:
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8", errors="surrogateescape") as f:
         for line_no, line in enumerate(f, start=1):
+            _check_utf8(line, name, line_no)
             if not line.strip():
                 continue
             try:
@@ -50,8 +69,10 @@ def _jsonl_rows(path: Path, name: str) -> Iterator[tuple[str, dict]]:
 
 
 def _json_rows(path: Path, name: str) -> Iterator[tuple[str, dict]]:
+    text = path.read_text(encoding="utf-8", errors="surrogateescape")
+    _check_utf8(text, name)
     try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
+        rows = json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not valid JSON ({err}); expected a list of objects, or use .jsonl") from err
     if not isinstance(rows, list):
@@ -70,12 +91,16 @@ def _dataset_rows(ds, name: str) -> Iterator[tuple[str, dict]]:
             i += 1
 
 
-def _load_file_dataset(path: Path):
+def _load_file_dataset(path: Path, name: str):
     import datasets
 
     try:
         return datasets.load_dataset(FILE_FORMATS[path.suffix], data_files=str(path), split="train")
     except Exception as err:  # pyarrow/pandas raise many types; name the file in one clear error
+        if path.suffix == ".csv":  # text: a byte that is not UTF-8 is named by its line (read again only here)
+            with path.open(encoding="utf-8", errors="surrogateescape") as f:
+                for line_no, line in enumerate(f, start=1):
+                    _check_utf8(line, name, line_no)
         raise ValueError(f"{path}: cannot be read as {path.suffix[1:]}: {err}") from err
 
 
@@ -113,7 +138,8 @@ def file_source(source: str, split: str = "train", dataset_config: str | None = 
         if kind == "json":
             reader = _jsonl_rows if path.suffix == ".jsonl" else _json_rows
             return Source(source, _file_identity(path), lambda: _checked(reader(path, source)))
-        return Source(source, _file_identity(path), lambda: _checked(_dataset_rows(_load_file_dataset(path), source)))
+        return Source(source, _file_identity(path),
+                      lambda: _checked(_dataset_rows(_load_file_dataset(path, source), source)))
     if source.startswith((".", "/", "~")) or path.suffix in FILE_FORMATS:
         raise ValueError(f"data file {source!r} does not exist")
     import datasets
