@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -165,6 +166,13 @@ def test_kl_monitor_limit_stops_with_step_and_excess(tiny_model_dir):
     assert module.trainer.should_stop and monitor.limit_hits[0][0] == 0
     with pytest.raises(ValueError, match="on_limit"):
         KLMonitor(on_limit="explode")
+
+
+def test_kl_monitor_without_a_reference_names_the_grouped_option():
+    module = SimpleNamespace(cfg=SimpleNamespace(kl=SimpleNamespace(beta=0.0)))
+    with pytest.raises(ValueError, match=r"model\.kl\.beta = 0 loads none; set model\.kl\.beta > 0") as err:
+        KLMonitor().setup(None, module, "fit")
+    assert "model.beta" not in str(err.value)  # the flat name is no option any more
 
 
 def test_sample_logger_table(tiny_model_dir):

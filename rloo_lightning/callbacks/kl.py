@@ -67,7 +67,7 @@ class KLMonitor(RolloutHook):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit" and float(pl_module.cfg.kl.beta) == 0.0:
             raise ValueError(
-                "KLMonitor needs a reference model, but model.beta = 0 loads none; set model.beta > 0 "
+                "KLMonitor needs a reference model, but model.kl.beta = 0 loads none; set model.kl.beta > 0 "
                 "(the adaptive controller cannot start from beta = 0 either)"
             )
 
