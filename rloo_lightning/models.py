@@ -11,12 +11,15 @@ live in :mod:`rloo_lightning.tiny_models` and are re-exported here.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import importlib.util
 import os
 import re
+import sys
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
@@ -138,12 +141,36 @@ def load_causal_lm(
     """
     path = resolve_model_path(name_or_path)
     _check_model_dir(name_or_path, path, gguf_file, "model", ("config.json",))
-    return AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=dtype if dtype is not None else torch.float32,
-        trust_remote_code=trust_remote_code,
-        **_gguf(gguf_file),
-    )
+    with _gguf_bar_off_unless_terminal() if gguf_file else contextlib.nullcontext():
+        return AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=dtype if dtype is not None else torch.float32,
+            trust_remote_code=trust_remote_code,
+            **_gguf(gguf_file),
+        )
+
+
+@contextlib.contextmanager
+def _gguf_bar_off_unless_terminal() -> Iterator[None]:
+    """transformers' "Converting and de-quantizing GGUF tensors" bar off while a GGUF file loads, when stderr is
+    not a terminal: in a log file its redraws are a line of carriage returns (docs/console.md promises none). It is
+    a plain ``tqdm`` of ``transformers.modeling_gguf_pytorch_utils``, which ``disable_progress_bar`` does not reach,
+    so that module's name for it is replaced for the load. On a terminal the bar is drawn as transformers draws it."""
+    from rloo_lightning.console import is_terminal
+
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_loading
+    except ImportError:  # a transformers without GGUF loading: nothing to silence
+        gguf_loading = None
+    bar = getattr(gguf_loading, "tqdm", None)
+    if bar is None or is_terminal(sys.stderr):
+        yield
+        return
+    gguf_loading.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_loading.tqdm = bar
 
 
 def context_length(name_or_path: str, gguf_file: str | None = None, trust_remote_code: bool = False) -> int | None:

@@ -137,3 +137,24 @@ def test_a_gguf_tokenizer_is_built_once_per_file_and_each_caller_gets_its_own(mo
     assert a is not b and a("7 + 5")["input_ids"] == b("7 + 5")["input_ids"] == module.tokenizer("7 + 5")["input_ids"]
     a.pad_token = a.unk_token  # a caller's change stays its own
     assert b.pad_token == module.tokenizer.pad_token != a.pad_token
+
+
+def test_a_run_logged_to_a_file_has_no_carriage_returns(tmp_path, monkeypatch):
+    """``rloo-lightning validate ... > run.log 2>&1`` on the GGUF model: transformers' de-quantizing bar (a tqdm on
+    stderr) writes nothing into the file, where its redraws would be carriage returns (docs/console.md). The
+    command runs in this process, so that the GGUF file parsed once above is not parsed again."""
+    import contextlib
+
+    from cli_harness import CONFIGS
+    from rloo_lightning.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["validate", "--config", str(CONFIGS / "smollm2_arithmetic.yaml"), "--trainer.logger", "false",
+            "--trainer.limit_val_batches", "1", "--data.num_train_rows", "8", "--data.num_val_rows", "1",
+            "--data.val_batch_size", "1", "--model.sampling.max_new_tokens", "2"]
+    log = tmp_path / "run.log"
+    with open(log, "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        main(args)
+    text = log.read_bytes()  # bytes: reading text would turn a carriage return into a newline
+    assert b"validate done: " in text, text.decode()  # the GGUF policy was loaded and evaluated
+    assert b"\r" not in text, text.decode()
