@@ -112,6 +112,33 @@ def test_bad_specs_fail_at_construction(spec, message):
         RewardSet.from_specs([spec])
 
 
+@pytest.mark.parametrize(
+    "spec, meant",
+    [
+        ("ExactAnswer", "rloo_lightning.rewards.builtin.ExactAnswer"),  # a built-in's bare name
+        ("exact_answer", "rloo_lightning.rewards.builtin.ExactAnswer"),
+        ("rloo_lightning.rewards.ExactAnswer", "rloo_lightning.rewards.builtin.ExactAnswer"),  # the wrong module
+        ("rewards.RegexMatch", "rloo_lightning.rewards.builtin.RegexMatch"),  # no such module
+        ({"class_path": "rloo_lightning.rewards.builtin.LengthPenalt"}, "rloo_lightning.rewards.builtin.LengthPenalty"),
+        ("reward_helpers.answer_matsh", "reward_helpers.answer_match"),  # a name in the user's module
+        ("rloo_lightning.tasks.revrse.reward", "rloo_lightning.tasks.reverse.reward"),  # a package's submodule
+    ],
+)
+def test_an_unknown_reward_function_names_the_closest_one(spec, meant):
+    from rloo_lightning.cli import error_line
+
+    with pytest.raises(ValueError) as err:
+        RewardSet.from_specs([spec])
+    line = error_line(err.value)
+    assert line.startswith("error: RewardError: reward function ") and line.endswith(f"; did you mean {meant!r}?"), line
+
+
+def test_an_unknown_reward_function_with_nothing_close_suggests_nothing():
+    with pytest.raises(ValueError) as err:
+        RewardSet.from_specs(["reward_helpers.zzzzqqq"])
+    assert "did you mean" not in str(err.value)
+
+
 def test_bad_set_options():
     with pytest.raises(ValueError, match="empty"):
         RewardSet.from_specs([])

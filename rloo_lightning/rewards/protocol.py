@@ -15,6 +15,7 @@ import inspect
 import math
 import numbers
 import os
+import pkgutil
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -62,10 +63,41 @@ def short_repr(text: Any, limit: int = 200) -> str:
 
 
 # -- resolving specs ---------------------------------------------------------------------------
+def _builtin_rewards() -> list[str]:
+    """Import paths of the reward classes the package ships (the rule rewards and the reward model)."""
+    from rloo_lightning.rewards import builtin, model
+
+    return [f"{m.__name__}.{n}" for m in (builtin, model) for n in m.__all__ if inspect.isclass(getattr(m, n))]
+
+
+def _did_you_mean(path: str, what: str, found: Any = None, at: int | None = None) -> str:
+    """``"; did you mean '<path>'?"`` for an import path that does not resolve, or "" when nothing is close.
+
+    ``found``: the object the path resolved to up to part ``at`` (which it lacks): the closest of its public names
+    (and, for a package, of its submodules) replaces that part. Else, for a reward function, the built-in reward
+    whose name is closest to the path's last part.
+    """
+    parts = path.split(".") if isinstance(path, str) else []
+    if found is not None and at is not None:
+        names = {n for n in dir(found) if not n.startswith("_")}
+        if hasattr(found, "__path__"):  # a package: its submodules are names too, imported or not
+            names |= {m.name for m in pkgutil.iter_modules(found.__path__)}
+        close = difflib.get_close_matches(parts[at], sorted(names), n=1)
+        if close:
+            return f"; did you mean {'.'.join(parts[:at] + close + parts[at + 1:])!r}?"
+    if what == "reward function" and parts:
+        builtins = {p.rpartition(".")[2].lower(): p for p in _builtin_rewards()}
+        close = difflib.get_close_matches(parts[-1].lower(), list(builtins), n=1)
+        if close:
+            return f"; did you mean {builtins[close[0]]!r}?"
+    return ""
+
+
 def _import_object(path: str, what: str) -> Any:
     """The object at ``"pkg.module.attr[.attr...]"``: the longest importable module prefix, then attributes."""
     if not isinstance(path, str) or "." not in path.strip("."):
-        raise RewardError(f"{what} {path!r}: expected an import path 'package.module.name'")
+        raise RewardError(f"{what} {path!r}: expected an import path 'package.module.name'"
+                          + _did_you_mean(path, what))
     parts = path.split(".")
     errors = []
     for cut in range(len(parts) - 1, 0, -1):
@@ -81,17 +113,18 @@ def _import_object(path: str, what: str) -> Any:
             raise RewardError(f"{what} {path!r} cannot be imported: {err}") from err
         except Exception as err:  # the module itself failed while executing
             raise RewardError(f"{what} {path!r}: importing {module_name!r} failed: {err!r}") from err
-        try:
-            for attr in parts[cut:]:
-                obj = getattr(obj, attr)
-        except AttributeError as err:
-            raise RewardError(f"{what} {path!r} cannot be imported: {err}") from err
+        for at in range(cut, len(parts)):
+            try:
+                obj = getattr(obj, parts[at])
+            except AttributeError as err:
+                raise RewardError(f"{what} {path!r} cannot be imported: {err}"
+                                  + _did_you_mean(path, what, obj, at)) from err
         return obj
     missing = errors[-1].name if errors else parts[0]
     raise RewardError(
         f"{what} {path!r} cannot be imported: no module named {missing!r} (searched the working directory "
         f"{os.getcwd()}, PYTHONPATH and the installed packages; run from the folder that holds {missing}.py "
-        "or add its folder to PYTHONPATH)"
+        "or add its folder to PYTHONPATH)" + _did_you_mean(path, what)
     ) from None
 
 
