@@ -22,6 +22,7 @@ from rloo_lightning.callbacks.progress import StepProgressBar
 from rloo_lightning.checkpoint_io import check_checkpoint_path, install_atomic_checkpoint_io, local_checkpoint_path
 from rloo_lightning.config import check_learning_rate
 from rloo_lightning.data import PromptDataModule
+from rloo_lightning.engines import engine_class
 from rloo_lightning.export import checkpoint_hparams, main as export_main
 from rloo_lightning.importpath import add_cwd_to_sys_path
 from rloo_lightning.module import RLOOModule
@@ -104,7 +105,9 @@ class RLOOCLI(LightningCLI):
                 self._checked_ckpt_path = ckpt
                 local = local_checkpoint_path(ckpt)  # None: Lightning's "last" / "best" / "hpc" / "registry" / a URL
                 if local is not None:
-                    _set_checkpoint_defaults(self._subcommand_parsers[subcommand], *checkpoint_hparams(local))
+                    model, data = checkpoint_hparams(local)
+                    self._checkpoint_engine = model.get("generation_engine")
+                    self._engine_missing = _set_checkpoint_defaults(self._subcommand_parsers[subcommand], model, data)
         self._argv = [str(a) for a in argv] if isinstance(argv, list) else []  # errors say where an option was set
         try:
             super().parse_arguments(parser, args)
@@ -122,6 +125,7 @@ class RLOOCLI(LightningCLI):
         ckpt = self._get(self.config, "ckpt_path")
         if ckpt is not None and ckpt != getattr(self, "_checked_ckpt_path", None):
             check_checkpoint_path(ckpt)
+        self._check_checkpoint_engine()
         if self.subcommand == "fit":  # the only command that builds the optimizer
             for key in ("model.optimizer", "optimizer"):  # the module's, or LightningCLI's own --optimizer
                 init_args = getattr(self._get(self.config, key), "init_args", None)
@@ -132,6 +136,30 @@ class RLOOCLI(LightningCLI):
 
     def _parse_ckpt_path(self) -> None:
         """Done in :meth:`parse_arguments`, as defaults (see there)."""
+
+    def _check_checkpoint_engine(self) -> None:
+        """The checkpoint's generation engine, when its class cannot be imported here and no other is given: fit (a
+        resume) stops, since another sampler would change the run; validate, test and predict use the default
+        engine. One line either way."""
+        missing = getattr(self, "_engine_missing", None)
+        if missing is None or self._get(self.config, "model.generation_engine") is not None:
+            return
+        if self.subcommand == "fit":
+            raise ValueError(f"the checkpoint was trained with {missing}; resuming with another engine would change "
+                             "the run: name the engine to use with --model.generation_engine")
+        warnings.warn(f"the checkpoint was trained with {missing}: {self.subcommand} samples with the default "
+                      "engine, DecodeLoopEngine (--model.generation_engine chooses another)", stacklevel=2)
+
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        stored = getattr(self, "_checkpoint_engine", None)
+        given = self._get(self.config, "model.generation_engine")
+        if isinstance(self.model, RLOOModule) and stored is not None and given is not None:
+            # Rebuilt from the checkpoint (the same class and arguments as stored): the module may fall back to
+            # the default engine for validate, test and predict when it cannot run here (RLOOModule.setup).
+            given = given.as_dict() if hasattr(given, "as_dict") else dict(given)
+            self.model.engine_from_checkpoint = (given.get("class_path") == stored["class_path"] and
+                                                 _same_args(given.get("init_args"), stored.get("init_args")))
 
 
 def _as_list(value) -> list:
@@ -357,10 +385,26 @@ def _has_key(data, parts: list[str]) -> bool:
                for i in range(1, len(parts) + 1))
 
 
-def _set_checkpoint_defaults(parser, model: dict, data: dict) -> None:
+def _same_args(given: dict | None, stored: dict | None) -> bool:
+    """Whether an engine's parsed ``init_args`` are those stored (what the parser filled in as defaults aside)."""
+    given, stored = dict(given or {}), dict(stored or {})
+    return all(given.get(name) == value for name, value in stored.items())
+
+
+def _set_checkpoint_defaults(parser, model: dict, data: dict) -> str | None:
     """Each module and data option stored in the checkpoint becomes the parser's default for ``model.<name>``
-    or ``data.<name>`` (the data's linked options follow the model's)."""
+    or ``data.<name>`` (the data's linked options follow the model's); so does its generation engine, when its
+    class imports here. Returns what names that engine and why it cannot be rebuilt, else None."""
     linked = {target for _, target in LINKS}
+    model = dict(model)
+    engine, missing = model.pop("generation_engine", None), None
+    if engine is not None:
+        try:
+            engine_class(engine["class_path"])
+        except (ImportError, TypeError) as err:
+            missing = f"{engine['class_path']}, which cannot be rebuilt here ({err})"
+        else:
+            parser.set_defaults({"model.generation_engine": engine})
     items = [(f"model.{name}", value) for name, value in model.items()]
     items += [(f"data.{name}", value) for name, value in data.items() if f"data.{name}" not in linked]
     defaults = {}
@@ -373,6 +417,7 @@ def _set_checkpoint_defaults(parser, model: dict, data: dict) -> None:
                 continue  # an option this version does not have
             defaults[key] = v
     parser.set_defaults(defaults)
+    return missing
 
 
 def main(args: list[str] | None = None) -> None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
+import inspect
 import math
 from collections.abc import Iterator
 from typing import Literal
@@ -26,7 +28,8 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 from rloo_lightning import stop
 from rloo_lightning.logprobs import _base_model, cache_keyword, prefill_groups
 
-__all__ = ["GenerationEngine", "HFGenerateEngine", "ReducedPrecisionEngine", "cpu_supports_bf16", "generates_synced",
+__all__ = ["GenerationEngine", "HFGenerateEngine", "ReducedPrecisionEngine", "build_engine", "cpu_supports_bf16",
+           "engine_class", "engine_spec", "generates_synced",
            "prompt_groups", "shared_prefill"]
 
 
@@ -53,6 +56,13 @@ class GenerationEngine:
           module then logs ``train/mismatch/*`` and can correct for it (``correction.level``).
     """
 
+    def __new__(cls, *args, **kwargs):
+        # The arguments the engine was built with, so that a checkpoint can name it (``engine_spec``) and
+        # validate, test, predict and a resume rebuild it, for a user's subclass as for ours.
+        engine = super().__new__(cls)
+        engine._given_args = (args, kwargs)
+        return engine
+
     #: Whether :meth:`generate` returns ``(ids, logprobs)``: True or False when known in advance, None when
     #: only a rollout tells (``correction.level`` then fails at the first rollout without log-probs).
     reports_logprobs: bool | None = None
@@ -77,6 +87,70 @@ class GenerationEngine:
 
     def check(self, device: torch.device) -> None:
         """Called at setup, before any model is loaded: raise if this engine cannot run on ``device``."""
+
+
+def _plain(value) -> bool:
+    """Whether ``value`` is made of None, bool, int, float, str, lists and str-keyed dicts (what a checkpoint's
+    hyperparameters may hold: they are read with ``weights_only``)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False
+
+
+def engine_spec(engine: GenerationEngine) -> tuple[dict | None, str | None]:
+    """``({"class_path": ..., "init_args": {...}}, None)``: how to build ``engine`` again (every argument of its
+    constructor, defaults included, so a later default does not change a resumed run); or ``(None, why)`` when it
+    cannot be named: a class not importable by its path (defined in ``__main__`` or a function), or an argument
+    that is not a plain value."""
+    cls = type(engine)
+    class_path = f"{cls.__module__}.{cls.__qualname__}"
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        return None, f"its class {class_path} cannot be imported by that path"
+    args, kwargs = getattr(engine, "_given_args", ((), {}))
+    try:
+        bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
+    except TypeError as err:
+        return None, f"its arguments do not match {cls.__name__}'s signature ({err})"
+    bound.apply_defaults()
+    init_args = dict(list(bound.arguments.items())[1:])  # without self
+    for name, value in list(init_args.items()):
+        kind = inspect.signature(cls.__init__).parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            init_args.pop(name)
+            init_args.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            return None, f"{cls.__name__} takes *{name} (positional arguments have no name to store)"
+    bad = next((name for name, value in init_args.items() if not _plain(value)), None)
+    if bad is not None:
+        return None, f"its argument {bad}={init_args[bad]!r} is not a plain value"
+    return {"class_path": class_path, "init_args": {k: list(v) if isinstance(v, tuple) else v
+                                                     for k, v in init_args.items()}}, None
+
+
+def engine_class(class_path: str) -> type:
+    """The :class:`GenerationEngine` subclass at ``class_path`` (``package.module.Class``); ImportError or
+    TypeError naming it otherwise."""
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name) if module_name else None
+    except (ImportError, AttributeError) as err:
+        raise ImportError(f"generation engine {class_path} cannot be imported: {err}") from err
+    if cls is None:
+        raise ImportError(f"generation engine {class_path} cannot be imported: not a module.Class path")
+    if not (isinstance(cls, type) and issubclass(cls, GenerationEngine)):
+        raise TypeError(f"generation engine {class_path} is not a GenerationEngine subclass")
+    return cls
+
+
+def build_engine(spec: dict) -> GenerationEngine:
+    """The engine that :func:`engine_spec` (or a ``{class_path, init_args}`` mapping in YAML) describes."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("class_path"), str):
+        raise TypeError(f"generation_engine must be an engine or a mapping with a class_path, got {spec!r}")
+    return engine_class(spec["class_path"])(**dict(spec.get("init_args") or {}))
 
 
 class HFGenerateEngine(GenerationEngine):

@@ -75,6 +75,7 @@ def module_from_checkpoint(path: str | Path, model_name_or_path: str | None = No
     hparams["rewards"] = {**hparams.get("rewards", {}), "funcs": [], "weights": None}
     # No reference copy: export needs the policy alone (the KL coefficient buffer still loads from the state).
     hparams["kl"] = {**hparams.get("kl", {}), "beta": 0.0, "ref_sync_steps": 0}
+    hparams["generation_engine"] = None  # nothing is sampled: the training engine (a vLLM child...) is not built
     if model_name_or_path is not None:
         hparams["model_name_or_path"] = model_name_or_path
     if lora_export is not None:

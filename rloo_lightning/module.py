@@ -7,7 +7,7 @@ import copy
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 
@@ -25,7 +25,7 @@ from rloo_lightning.config import (
 from rloo_lightning.correction import importance_weights, mismatch_sums, weighted_advantages
 from rloo_lightning.decode import DecodeLoopEngine
 from rloo_lightning.dynamic_sampling import fill_informative
-from rloo_lightning.engines import GenerationEngine
+from rloo_lightning.engines import GenerationEngine, build_engine, engine_spec
 from rloo_lightning.kl import KLTerm
 from rloo_lightning.logprobs import sequence_logprobs, worth_sharing
 from rloo_lightning.losses import PolicyLoss
@@ -117,19 +117,24 @@ class RLOOModule(LightningModule):
                      correction=correction, dynamic_sampling=dynamic_sampling, validation=validation, policy=policy,
                      predict=predict, environment=environment, run=run)
         cfg = {name: as_group(GROUPS[name], value) for name, value in given.items()}
-        self.engine = generation_engine or DecodeLoopEngine()
-        cfg["correction"] = cfg["correction"].for_engine(self.engine)  # level auto: the engine's default
+        if isinstance(generation_engine, dict):  # load_from_checkpoint: the engine as the checkpoint names it
+            generation_engine = build_engine(generation_engine)
+        # The engine is part of the run: the checkpoint names it, so that validate, test, predict and a resume
+        # rebuild it (None: the default engine; an engine that cannot be named is said at fit start).
+        engine_args, self._engine_unnamed = engine_spec(generation_engine) if generation_engine else (None, None)
+        # Options are stored as given (correction.level auto stays auto) and resolved here, for this engine.
         self.cfg = Options(**cfg)
-        check_options(self.cfg)
+        self._correction_given = cfg["correction"]
+        self.use_engine(generation_engine or DecodeLoopEngine())
         if self.cfg.policy.lora is not None:
             lora_config(self.cfg.policy.lora)  # peft missing or a wrong key fails now, before any model is loaded
         # Checkpoints hold plain dicts of primitives: load_from_checkpoint rebuilds the groups from them.
-        self.save_hyperparameters({"model_name_or_path": model_name_or_path, **to_primitives(cfg)})
+        self.save_hyperparameters({"model_name_or_path": model_name_or_path, **to_primitives(cfg),
+                                   "generation_engine": engine_args})
+        #: Set by the CLI when the engine was rebuilt from the checkpoint rather than given: validate, test and
+        #: predict then fall back to the default engine when it cannot run here (see :meth:`setup`).
+        self.engine_from_checkpoint = False
         c = self.cfg
-        if c.correction.level != "none" and self.engine.reports_logprobs is False:
-            raise ValueError(f"correction.level={c.correction.level!r} needs an engine that reports its log-probs; "
-                             f"{type(self.engine).__name__} does not (DecodeLoopEngine or HFGenerateEngine: "
-                             "return_logprobs=true)")
         self.timer = PhaseTimer(enabled=c.run.time_phases)
         # Reward import paths resolve now: a typo fails before any model is loaded. None: predict without scores.
         self.rewards = RewardSet.from_specs(c.rewards.funcs, c.rewards.weights, timeout=c.rewards.timeout,
@@ -164,8 +169,9 @@ class RLOOModule(LightningModule):
             stop.attach(self._trainer)  # a SIGTERM from now to the first step ends the run at once (stop.py)
             # Before any model is loaded: every rank of this node shares its CPUs (threads.py)
             rank_zero_info(use_threads(getattr(self._trainer, "num_devices", 1)))
-        self.engine.check(self._trainer.strategy.root_device if self._trainer is not None else torch.device("cpu"))
         stage = getattr(stage, "value", stage)  # Lightning passes a TrainerFn ("fit", "validate", ...)
+        self._check_engine(self._trainer.strategy.root_device if self._trainer is not None else torch.device("cpu"),
+                           stage)
         if self.rewards is None and self.episodes is None and stage != "predict":
             raise ValueError(f"rewards.funcs must name at least one reward function: {stage} scores completions "
                              "(only predict runs without, and an environment.class_path that gives the rewards)")
@@ -176,6 +182,35 @@ class RLOOModule(LightningModule):
             added = list(self.episodes.columns) if self.episodes is not None else []  # a multi-turn rollout's
             for source, names in getattr(datamodule, "columns", lambda stage: [])(stage):
                 self.rewards.check_columns([*names, *added], source)  # the data's own columns, before the model loads
+
+    def use_engine(self, engine: GenerationEngine) -> None:
+        """Sample with ``engine``: ``correction.level: auto`` becomes its ``default_correction`` (config.py)."""
+        self.engine = engine
+        self.cfg.correction = self._correction_given.for_engine(engine)
+        check_options(self.cfg)
+
+    def _check_engine(self, device: torch.device, stage: str) -> None:
+        """Whether the engine runs here (its ``check``), and (fit) whether it gives what the correction needs.
+
+        An engine rebuilt from the checkpoint (not given for this command) that cannot run here (vLLM not
+        installed, an argument only a GPU takes) gives way to the default engine for validate, test and predict,
+        with one line saying so; fit (a resume) stops instead: another sampler would change the run.
+        """
+        try:
+            self.engine.check(device)
+        except Exception as err:
+            if stage == "fit" or not self.engine_from_checkpoint:
+                raise
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            rank_zero_warn(f"the checkpoint's generation engine {type(self.engine).__name__} cannot run here "
+                           f"({reason}): {stage} samples with the default engine, DecodeLoopEngine "
+                           "(--model.generation_engine chooses another)")
+            self.use_engine(DecodeLoopEngine())
+        c = self.cfg.correction
+        if stage == "fit" and c.level != "none" and self.engine.reports_logprobs is False:
+            raise ValueError(f"correction.level={c.level!r} needs an engine that reports its log-probs; "
+                             f"{type(self.engine).__name__} does not (DecodeLoopEngine or HFGenerateEngine: "
+                             "return_logprobs=true; or --model.generation_engine the engine it was trained with)")
 
     # -- models --------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -591,6 +626,10 @@ class RLOOModule(LightningModule):
 
     def on_fit_start(self) -> None:
         self.engine.on_weights_updated(self.policy)  # weights restored from --ckpt_path: an engine's copy is stale
+        if self._engine_unnamed:
+            rank_zero_warn(f"generation engine {type(self.engine).__name__} is not stored in the checkpoints "
+                           f"({self._engine_unnamed}): validate, test, predict and a resume from them use the "
+                           "default engine unless --model.generation_engine names one")
 
     def on_test_start(self) -> None:
         self.engine.on_weights_updated(self.policy)

@@ -168,14 +168,17 @@ def test_an_engine_returning_misshapen_logprobs_is_named(tiny_model_dir):
         module.sample(prompt_batch(module.tokenizer), 2, seed=1)
 
 
-def test_a_correction_needs_an_engine_that_reports_logprobs(tiny_model_dir):
+def test_a_correction_needs_an_engine_that_reports_logprobs_to_train(tiny_model_dir):
     from rloo_lightning import RLOOModule
     from rloo_lightning.exactness import TableSampler, make_toy, toy_batch, toy_module
 
+    module = RLOOModule(tiny_model_dir, rewards={"funcs": ["rloo_lightning.tasks.reverse.reward"]},
+                        correction={"level": "sequence"})
+    for stage in ("validate", "test", "predict"):  # nothing is trained: the correction is not used
+        module.setup(stage)
     with pytest.raises(ValueError, match="correction.level='sequence' needs an engine that reports its log-probs; "
                                          "DecodeLoopEngine does not"):
-        RLOOModule(tiny_model_dir, rewards={"funcs": ["rloo_lightning.tasks.reverse.reward"]},
-                   correction={"level": "sequence"})
+        module.setup("fit")
     # an engine that cannot say in advance: the first rollout without log-probs stops the step
     toy = make_toy()
     module = toy_module(toy, {"correction": {"level": "token"}})
