@@ -54,6 +54,11 @@ class GenerationEngine:
           distribution the engine actually sampled from (its temperature and truncation included). An
           engine that is not exactly pi_theta (reduced precision, quantized, other kernels) should: the
           module then logs ``train/mismatch/*`` and can correct for it (``correction.level``).
+
+    Checkpoints name the engine by its class path and every argument of its constructor (captured when it is
+    made), so that validate, test, predict and a resume rebuild it: a user's engine is stored too when its class
+    imports by that path and its arguments are plain values (numbers, strings, lists, mappings); otherwise fit
+    says, in one line, that it is not stored.
     """
 
     def __new__(cls, *args, **kwargs):
