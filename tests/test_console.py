@@ -328,6 +328,28 @@ def test_a_line_written_under_a_terminal_bar_starts_a_line_of_its_own():
         bar.close()
 
 
+
+def test_building_a_tiny_task_model_says_what_and_where_once(tmp_path, monkeypatch, caplog):
+    """``tiny:<task>`` is a warm start of seconds to minutes on first use: one line says so and where it is cached;
+    a later run loads the cache without a word."""
+    import logging
+
+    from rloo_lightning.tasks.base import Task
+
+    built = []
+    task = Task(name="probe", make_rows=lambda n, seed: [], reward=lambda *a, **k: [],
+                build_tiny_model=lambda d: (built.append(d), (d / "config.json").write_text("{}")), version=3)
+    monkeypatch.setenv("RLOO_LIGHTNING_CACHE", str(tmp_path))
+    lightning_logger = logging.getLogger("lightning.pytorch")
+    if not lightning_logger.propagate:  # Lightning's own handler in place of the root's: caplog's is not reached
+        monkeypatch.setattr(lightning_logger, "handlers", [*lightning_logger.handlers, caplog.handler])
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        first, again = task.tiny_model_dir(), task.tiny_model_dir()
+    assert first == again == tmp_path / "tiny-probe-v3" and len(built) == 1
+    lines = [r.getMessage() for r in caplog.records if "tiny:probe" in r.getMessage()]
+    assert lines == [f"tiny:probe: building the task's tiny model (a short warm start on the CPU, done once: it is "
+                     f"cached in {first})"], lines
+
 # --- where the run's files went --------------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from rloo_lightning.tiny_models import cache_dir
 
@@ -47,6 +48,9 @@ class Task:
         if (final / "config.json").exists():
             return final
         final.parent.mkdir(parents=True, exist_ok=True)
+        # A warm start of seconds to minutes on a CPU, before anything else is said: one line says why the wait.
+        rank_zero_info(f"tiny:{self.name}: building the task's tiny model (a short warm start on the CPU, done once: "
+                       f"it is cached in {final})")
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
         try:
             self.build_tiny_model(tmp)
