@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -13,7 +13,7 @@ from torch import Tensor
 from rloo_lightning.advantages import group_std
 from rloo_lightning.logprobs import masked_sum
 from rloo_lightning.multiturn import CUT_KINDS
-from rloo_lightning.rewards.protocol import RewardError
+from rloo_lightning.rewards.protocol import RewardError, short_repr
 
 __all__ = [
     "train_metric_sums",
@@ -181,8 +181,9 @@ class MissingRewardWatch:
     def __init__(self, patience: int = 10) -> None:
         self.patience, self.streak = patience, 0
 
-    def update(self, metrics: dict[str, float], step: int) -> None:
-        """``metrics``: the step's global means (``train/reward_missing``, ``train/score/<name>``)."""
+    def update(self, metrics: dict[str, float], step: int, prompts: Sequence[str] = ()) -> None:
+        """``metrics``: the step's global means (``train/reward_missing``, ``train/score/<name>``); ``prompts``: the
+        step's prompts on this rank (every one of them went without a reward), named in the error."""
         self.streak = self.streak + 1 if metrics["train/reward_missing"] >= 1.0 else 0
         if not self.patience or self.streak < self.patience:
             return
@@ -197,9 +198,15 @@ class MissingRewardWatch:
         else:
             source = "every completion missed at least one of " + ", ".join(repr(n) for n in scores) + \
                 "'s rewards (a None from any function makes the weighted sum missing)"
+        distinct = list(dict.fromkeys(prompts))  # each prompt is repeated k times
+        named = ""
+        if distinct:
+            shown = ", ".join(short_repr(p, 60) for p in distinct[:3])
+            more = f" and {len(distinct) - 3} more" if len(distinct) > 3 else ""
+            named = f"; the prompts of step {step}: {shown}{more}"
         raise RewardError(f"no reward in any of the last {self.streak} training steps (up to step {step}): "
-                           f"{source}. The warnings above name the prompts and errors. Nothing is learnt from such "
-                           "a step; set rewards.stop_after_missing_steps 0 to train on regardless")
+                           f"{source}{named}. Nothing is learnt from such a step; set "
+                           "rewards.stop_after_missing_steps 0 to train on regardless")
 
 
 class NoSignalWatch:

@@ -598,7 +598,7 @@ class RLOOModule(LightningModule):
         metrics = dict(zip(sums, step_means(stacked)))
         log_step_metrics(self._trainer, metrics, self.global_step, prog_bar=("train/reward", "train/kl"))
         self.no_signal.update(metrics["train/zero_std_groups"], self.global_step)
-        self.missing_rewards.update(metrics, self.global_step)  # every rank: the means are global
+        self.missing_rewards.update(metrics, self.global_step, rollout.prompts)  # every rank: the means are global
         if self.timer.enabled:
             # to the loggers only, not to callback_metrics: seconds per phase are for reading, not monitoring
             write_to_loggers(self._trainer, {f"time/{phase}": t for phase, t in self.timer.totals.items()},

@@ -50,6 +50,16 @@ def test_the_watch_names_the_environment_or_the_mix_and_zero_patience_never_stop
         never.update(_metrics(1.0, a=math.nan), step)
 
 
+def test_the_stop_names_the_prompts_of_its_last_step_and_no_warnings_that_may_not_exist():
+    """The mix case warns nothing (no function was silent for a whole call): the error itself names the prompts."""
+    prompts = [p for p in ("abc=", "bca=", "cab=", "x" * 100, "e=") for _ in range(2)]  # k = 2: each twice
+    with pytest.raises(RewardError) as err:
+        MissingRewardWatch(1).update(_metrics(1.0, a=0.5, b=0.5), 7, prompts)
+    message = str(err.value)
+    assert "the prompts of step 7: 'abc=', 'bca=', 'cab=' and 2 more. Nothing is learnt" in message, message
+    assert "warnings above" not in message
+
+
 def _fit(model_dir, tmp_path, funcs, max_steps, callbacks=(), **rewards):
     module = RLOOModule(model_dir, rewards={"funcs": funcs, **rewards}, sampling={"k": 2, "max_new_tokens": 4},
                         validation={"at_start": False})
@@ -65,9 +75,11 @@ def _fit(model_dir, tmp_path, funcs, max_steps, callbacks=(), **rewards):
 def test_a_run_without_any_reward_logs_nan_and_stops_with_an_error_naming_the_function(tiny_model_dir, tmp_path):
     trainer, module, data, recorder = _fit(tiny_model_dir, tmp_path, ["reward_helpers.always_none"], 20,
                                            stop_after_missing_steps=3)
-    with pytest.warns(UserWarning), pytest.raises(RewardError, match="last 3 training steps.*'always_none'"):
+    with pytest.warns(UserWarning), pytest.raises(RewardError, match="last 3 training steps.*'always_none'") as err:
         trainer.fit(module, datamodule=data)
     assert sorted(recorder.values["train/reward"]) == [0, 1, 2]
+    named = str(err.value).partition("the prompts of step 2: ")[2]  # the error names them, no warning may
+    assert named.startswith("'") and named.split("'")[1] in {row["prompt"] for row in data.train_rows}, str(err.value)
     assert all(math.isnan(v) for v in recorder.values["train/reward"].values())
     assert recorder.values["train/reward_missing"] == {0: 1.0, 1: 1.0, 2: 1.0}
 
