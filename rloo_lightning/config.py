@@ -552,7 +552,11 @@ class EnvironmentArgs:
             its first ``max_reply_tokens`` tokens (``train/replies_cut`` counts them per episode).
         timeout: seconds one environment call (``reset``, ``step``, ``final_reward``, ``metrics``, ``close``) may
             run. A call past it is abandoned (it runs on in a background thread; the object is never called
-            again) and its episode is scored by ``on_error``. None = no limit: a call that hangs hangs the run.
+            again) and its episode is scored by ``on_error``. Hung calls do not add up: with ``on_error: raise``
+            the first timeout ends the step; otherwise, once a call has timed out, the rollout waits at most one
+            more ``timeout`` on its calls in all, then abandons those still running and fails those not started
+            (``not started``). At most ``max(16, 4 * workers)`` abandoned calls run on at once; past that a call
+            fails without starting. None = no limit: a call that hangs hangs the run.
         workers: how many episodes' calls run at once, in threads (a turn's ``step`` calls, the resets, ...).
             Transcripts are the same for any number. Raise it for environments that wait (sandboxes, services);
             their state must then be their own (not shared between objects).

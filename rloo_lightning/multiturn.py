@@ -189,7 +189,8 @@ class Episode:
 class EpisodeError(RuntimeError):
     """An environment failed: it raised, ran past ``environment.timeout``, or returned something malformed. The
     message names the environment, the call, the prompt row, the sample and the turn; ``call`` is the method
-    (``reset``, ``step``, ...) and ``how`` one of ``raised``, ``timed out``, ``malformed``."""
+    (``reset``, ``step``, ...) and ``how`` one of ``raised``, ``timed out``, ``malformed``, ``not started`` (the
+    rollout's time for calls ran out after a timeout, or too many abandoned calls still run)."""
 
     def __init__(self, message: str, call: str = "step", how: str = "raised") -> None:
         super().__init__(message)
@@ -212,8 +213,11 @@ def call_error(env: Environment, call: str, status: str, value, wrong: str | Non
     ``wrong``: why its value is malformed, or None), or None when the call went well. ``at`` names the place."""
     name = type(env).__name__
     if status == "timeout":
-        return EpisodeError(f"environment {name}.{call} did not return within {timeout} s {at} (environment.timeout);"
-                            " it was abandoned and is not called again", call, "timed out")
+        within = f"within {timeout} s {at} (environment.timeout)" if value is None else f"{at}: {value}"
+        return EpisodeError(f"environment {name}.{call} did not return {within}; it was abandoned and is not called "
+                            "again", call, "timed out")
+    if status == "not started":
+        return EpisodeError(f"environment {name}.{call} was not started {at}: {value}", call, "not started")
     if status == "error":
         failed = " failed" if call == "step" else f".{call} failed"
         return EpisodeError(f"environment {name}{failed} {at}: {type(value).__name__}: {value}", call, "raised")
@@ -224,9 +228,6 @@ def call_error(env: Environment, call: str, status: str, value, wrong: str | Non
 
 
 # -- environment calls, each guarded ----------------------------------------------------------------------------------
-_TIMEOUT = object()
-
-
 class EnvCalls:
     """Runs environment calls, ``workers`` at a time, each within ``timeout`` seconds.
 
@@ -236,50 +237,113 @@ class EnvCalls:
     calls that environment object again. With one worker and no timeout the calls run in the caller's thread, one
     after another.
 
+    Hung calls must not add up (sixteen in a row would cost sixteen timeouts), so a rollout (:meth:`new_rollout`)
+    shares one more ``timeout`` once one of its calls has timed out: the rollout then waits at most that long on
+    its calls, in all of its :meth:`run` s together; when it is spent, the calls still running are abandoned
+    (``timeout``) and the calls not started are failed without starting (``not started``). Hung calls thus cost a
+    rollout about twice the timeout at most, however many hang. At most ``max_hung`` abandoned calls may run on at
+    once (default ``max(16, 4 * workers)``; a rollout abandons at most ``2 * workers``): past it a call is failed
+    without starting until one of them returns, so the threads of hung calls stay bounded.
+
     Results come back in the calls' order whatever the order they finish in, so a turn's transcripts are the same
     for any number of workers (for environments that keep their state to themselves, as :class:`Environment`
     asks).
     """
 
-    def __init__(self, timeout: float | None = None, workers: int = 1) -> None:
+    def __init__(self, timeout: float | None = None, workers: int = 1, max_hung: int | None = None) -> None:
         if timeout is not None and not timeout > 0:
             raise EnvironmentConfigError(f"environment.timeout must be > 0 seconds or null, got {timeout}")
         if workers < 1:
             raise EnvironmentConfigError(f"environment.workers must be >= 1, got {workers}")
         self.timeout, self.workers = timeout, workers
+        self.max_hung = max(16, 4 * workers) if max_hung is None else max_hung
         self.abandoned = 0  # calls abandoned so far (their threads may still be running)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._changed = threading.Condition()
         self._threads: set[threading.Thread] = set()  # the live workers (an abandoned one leaves the set)
+        self._hung: set[threading.Thread] = set()  # the threads of abandoned calls still running
+        self._left: float | None = None  # once a call of this rollout timed out: the seconds it may still wait
 
-    def run(self, calls: Sequence[Callable[[], object]]) -> list[tuple[str, object]]:
-        """``[(status, value)]`` per call: ``("ok", result)``, ``("error", exception)`` or ``("timeout", None)``."""
+    @property
+    def hung(self) -> int:
+        """How many abandoned calls are still running (each on its own thread)."""
+        with self._changed:
+            return len(self._hung)
+
+    def new_rollout(self) -> None:
+        """The calls from here on are a new rollout's: no call of it has timed out yet."""
+        self._left = None
+
+    def run(self, calls: Sequence[Callable[[], object]], fail_fast: bool = False) -> list[tuple[str, object]]:
+        """``[(status, value)]`` per call: ``("ok", result)``, ``("error", exception)``, ``("timeout", None)``
+        (past its ``timeout``), ``("timeout", why)`` (cut when the rollout's time ran out), ``("not started",
+        why)``, and with ``fail_fast`` (``environment.on_error: raise``) ``("cut off", started)``: the run returned
+        at the first call that failed, and this one had not finished (``started``: it was running and is
+        abandoned; never call its object again)."""
         if self.timeout is None and self.workers == 1:
-            return [self._one(call) for call in calls]
+            results: list[tuple[str, object]] = []
+            for call in calls:
+                results.append(("cut off", False) if fail_fast and results and results[-1][0] != "ok"
+                               else self._one(call))
+            return results
+        if self._left is not None and self._left <= 0:
+            return [("not started", self._spent())] * len(calls)
         batch = _Batch(len(calls))
         with self._changed:
             while len(self._threads) < self.workers:
                 self._start_worker()
         for i, call in enumerate(calls):
             self._jobs.put((batch, i, call))
+        charged = time.monotonic()  # since when this run's waiting counts against the rollout's time left
         try:
             with self._changed:
                 while True:
                     now = time.monotonic()
-                    running = [i for i, at in batch.started.items() if batch.results[i] is None]
+                    running = [i for i in batch.started if batch.results[i] is None]
                     for i in running:
                         if self.timeout is not None and now - batch.started[i] >= self.timeout:
                             batch.results[i] = ("timeout", None)
-                            self.abandoned += 1
-                            self._threads.discard(batch.thread[i])  # it may never come back: replace it
-                            self._start_worker()
+                            self._abandon(batch, i)
+                            if self._left is None:  # the rollout's first timeout: one more timeout, in all
+                                self._left, charged = self.timeout, now
+                    if self._left is not None and now - charged >= self._left:
+                        return self._stop(batch, ("timeout", self._spent()), ("not started", self._spent()))
+                    if fail_fast and any(r is not None and r[0] != "ok" for r in batch.results):
+                        return self._stop(batch, ("cut off", True), ("cut off", False))
                     if all(r is not None for r in batch.results):
                         return batch.results
                     deadlines = [batch.started[i] + self.timeout for i in running if batch.results[i] is None] \
                         if self.timeout is not None else []
+                    if self._left is not None:
+                        deadlines.append(charged + self._left)
                     self._changed.wait(max(min(deadlines) - time.monotonic(), 0.0) if deadlines else None)
         finally:
-            batch.cancelled = True  # calls not yet started (the caller was interrupted) are skipped
+            with self._changed:
+                batch.cancelled = True  # calls not yet started (the caller was interrupted) are skipped
+                if self._left is not None:
+                    self._left -= time.monotonic() - charged
+
+    def _spent(self) -> str:
+        return (f"the rollout's time for environment calls ran out (environment.timeout: once a call has timed out, "
+                f"the rollout's calls get {self.timeout} s more in all)")
+
+    def _stop(self, batch: _Batch, running: tuple, waiting: tuple) -> list[tuple[str, object]]:
+        """End ``batch`` now (under the lock): a call still running gets ``running`` and is abandoned, a call not
+        started gets ``waiting`` and never starts."""
+        batch.cancelled = True
+        for i, result in enumerate(batch.results):
+            if result is None:
+                batch.results[i] = running if i in batch.started else waiting
+                if i in batch.started:
+                    self._abandon(batch, i)
+        return batch.results
+
+    def _abandon(self, batch: _Batch, i: int) -> None:
+        """Leave call ``i`` of ``batch`` running on its thread (it may never come back) and replace the thread."""
+        self._threads.discard(batch.thread[i])
+        self._hung.add(batch.thread[i])
+        self.abandoned += 1
+        self._start_worker()
 
     def _start_worker(self) -> None:
         thread = threading.Thread(target=self._work, daemon=True, name="rloo-env-call")
@@ -293,6 +357,12 @@ class EnvCalls:
             with self._changed:
                 if batch.cancelled:
                     continue
+                if len(self._hung) >= self.max_hung:
+                    batch.results[i] = ("not started", f"{len(self._hung)} abandoned environment calls are still "
+                                        "running, the most kept (a thread cannot be stopped; environment.timeout); "
+                                        "calls start again when one of them returns")
+                    self._changed.notify_all()
+                    continue
                 batch.started[i], batch.thread[i] = time.monotonic(), me
                 self._changed.notify_all()
             outcome = self._one(call)
@@ -301,6 +371,7 @@ class EnvCalls:
                     batch.results[i] = outcome
                 self._changed.notify_all()
                 if me not in self._threads:  # abandoned: a replacement took its place
+                    self._hung.discard(me)
                     return
 
     @staticmethod
@@ -319,6 +390,15 @@ class _Batch:
         self.started: dict[int, float] = {}
         self.thread: dict[int, threading.Thread] = {}
         self.cancelled = False
+
+
+def abandon_cut_off(episodes: Sequence[Episode], todo: Sequence[int], results: Sequence[tuple[str, object]]) -> None:
+    """Mark abandoned each episode of ``todo`` whose call was cut off while running (:meth:`EnvCalls.run` with
+    ``fail_fast``): it may still be running, so the object must not be called again, not even ``close``. Done
+    before any result raises."""
+    for i, (status, started) in zip(todo, results):
+        if status == "cut off" and started:
+            episodes[i].abandoned = True
 
 
 def _is_number(value) -> bool:
@@ -441,8 +521,12 @@ def run_episodes(generate: Callable, tokenizer, prompt_ids: Tensor, prompt_mask:
             ep.turns += 1
             turns.append(PolicyTurn(tuple(tokens), text, turn, ended))
         # The environments answer this turn together (``environment.workers``), each within the timeout.
-        results = calls.run([lambda ep=episodes[i], t=t: ep.env.step(t) for i, t in zip(live, turns)])
+        results = calls.run([lambda ep=episodes[i], t=t: ep.env.step(t) for i, t in zip(live, turns)],
+                            fail_fast=on_error is None)
+        abandon_cut_off(episodes, live, results)
         for i, policy_turn, (status, step) in zip(live, turns, results):
+            if status == "cut off":  # on_error raise: another call failed, and raises below
+                continue
             ep = episodes[i]
             error = call_error(ep.env, "step", status, step, _check_step(step) if status == "ok" else None,
                                f"on {where[i]}, turn {turn}", calls.timeout)
@@ -588,12 +672,17 @@ class EpisodeSampler:
         failures = _Failures(self.args.class_path, n * k, self.on_error)
         on_error = None if self.on_error[0] == "raise" else failures.add
         episodes = [Episode(self.new_environment()) for _ in range(n * k)]
+        self.calls.new_rollout()  # hung calls of this rollout share one more timeout (EnvCalls)
 
         def guarded(call: str, todo: list[int], make: Callable[[Episode, int], Callable[[], object]],
                     check: Callable[[object], str | None], at: Callable[[int], str]) -> dict[int, object]:
             """Run ``call`` on the episodes ``todo``; the well-formed results by episode, failures to ``on_error``."""
             out = {}
-            for i, (status, value) in zip(todo, self.calls.run([make(episodes[i], i) for i in todo])):
+            results = self.calls.run([make(episodes[i], i) for i in todo], fail_fast=on_error is None)
+            abandon_cut_off(episodes, todo, results)
+            for i, (status, value) in zip(todo, results):
+                if status == "cut off":  # on_error raise: another call failed, and raises below
+                    continue
                 ep = episodes[i]
                 error = call_error(ep.env, call, status, value, check(value) if status == "ok" else None, at(i),
                                    self.calls.timeout)
@@ -664,7 +753,8 @@ class EpisodeSampler:
         todo = [i for i, ep in enumerate(episodes) if not ep.abandoned]
         for i, (status, value) in zip(todo, self.calls.run([episodes[i].env.close for i in todo])):
             if status != "ok":
-                what = "did not return in time" if status == "timeout" else f"failed: {type(value).__name__}: {value}"
+                what = "did not return in time" if status == "timeout" else f"was not started: {value}" \
+                    if status == "not started" else f"failed: {type(value).__name__}: {value}"
                 logger.warning("environment %s.close %s on %s", type(episodes[i].env).__name__, what, where[i])
 
 

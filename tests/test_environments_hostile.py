@@ -226,6 +226,86 @@ def test_a_call_past_the_timeout_is_abandoned_and_its_environment_never_called_a
     assert Returns.calls == [("step", 0)]
 
 
+class HangsOnStep(Environment):
+    """A service that stopped answering: every step waits until the test releases it."""
+
+    release = threading.Event()
+
+    def step(self, turn):
+        HangsOnStep.release.wait(60)
+        return EnvStep(done=True)
+
+
+TIMEOUT = 0.5  # environment.timeout of the hanging runs: 16 calls one after another would take 8 s
+
+
+def _hanging(on_error, calls=None):
+    """A module whose 16 episodes (4 prompts x k=4) hang at their first step, with workers: 1."""
+    tok, model = _tiny()
+    m = _module(model, tok, {"class_path": f"{HERE}.HangsOnStep", "max_turns": 2, "reply_format": "|{content}=",
+                             "timeout": TIMEOUT, "workers": 1, "on_error": on_error})
+    if calls is not None:
+        m.episodes.calls = calls
+    return m, _guess_batch(tok, ("abab", "bbaa", "aaab", "baba"))
+
+
+def _timed_sample(m, batch):
+    begin = time.monotonic()
+    try:
+        return m.sample(batch, 4, seed=0)
+    finally:
+        _timed_sample.seconds = time.monotonic() - begin
+
+
+@pytest.fixture
+def hang():
+    HangsOnStep.release = threading.Event()
+    yield
+    HangsOnStep.release.set()  # the abandoned calls return and their threads end
+
+
+def test_with_on_error_raise_the_first_timeout_ends_the_step_at_once(hang):
+    m, batch = _hanging("raise")
+    with pytest.raises(EpisodeError, match=rf"environment HangsOnStep.step did not return within {TIMEOUT} s .*"
+                                           r"sample \d, turn 0 \(environment.timeout\)"):
+        _timed_sample(m, batch)
+    # one timeout (and a tiny model's turn), not sixteen in a row; a wide margin for a loaded machine
+    assert _timed_sample.seconds < 16 * TIMEOUT / 2
+    assert m.episodes.calls.hung == 1  # only the call that timed out runs on; the others never started
+
+
+def test_hanging_calls_cost_a_rollout_about_two_timeouts_however_many_hang(hang):
+    m, batch = _hanging(-1.0)
+    with pytest.warns(EpisodeWarning, match=r"16 of 16 episodes failed \(step not started: 14, step timed out: 2\); "
+                                            r"the first: environment HangsOnStep.step did not return within"):
+        rollout = _timed_sample(m, batch)
+    assert rollout.episodes.rewards.tolist() == [-1.0] * 16  # every hung episode scored by on_error
+    # The first call times out after one timeout; the second runs in the rollout's one more timeout and is cut at
+    # its end; the other fourteen are failed without starting. 2 timeouts, where one after another took 16.
+    assert _timed_sample.seconds < 16 * TIMEOUT / 2
+    assert m.episodes.calls.hung == 2
+
+
+def test_the_threads_of_abandoned_calls_are_bounded_and_a_call_past_the_bound_is_not_started(hang, caplog):
+    m, batch = _hanging("none", calls=EnvCalls(TIMEOUT, 1, max_hung=3))
+    with pytest.warns(EpisodeWarning, match=r"step timed out: 2"):
+        _timed_sample(m, batch)  # two calls abandoned, their threads still running
+    threads = {t for t in threading.enumerate() if t.name == "rloo-env-call"}
+    with pytest.warns(EpisodeWarning, match=r"16 of 16 episodes failed \(step not started: 15, step timed out: 1\)"), \
+            caplog.at_level(logging.WARNING, logger="rloo_lightning"):
+        rollout = _timed_sample(m, batch)
+    assert torch.isnan(rollout.episodes.rewards).all() and _timed_sample.seconds < 16 * TIMEOUT / 2
+    assert m.episodes.calls.hung == 3  # the bound: the third hung call, then no more start
+    assert len({t for t in threading.enumerate() if t.name == "rloo-env-call"} - threads) == 1  # its replacement
+    assert any("HangsOnStep.step was not started" in r.getMessage() and "3 abandoned environment calls are still "
+               "running" in r.getMessage() for r in caplog.records)
+    HangsOnStep.release.set()
+    deadline = time.monotonic() + 30
+    while m.episodes.calls.hung and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert m.episodes.calls.hung == 0  # a call that returns ends its thread and frees its place
+
+
 class Slow(Environment):
     """Replies with letters drawn from the episode's seed after a short sleep: concurrency shows in the time only."""
 

@@ -98,7 +98,8 @@ class Environment:
     calls at a time: keep an episode's state on its object (not in globals or on the class), so that concurrent
     episodes do not share it. A call past the timeout is abandoned (the object is never called again, not even
     :meth:`close`); one that raises or returns something malformed ends its episode as ``environment.on_error``
-    says.
+    says. Once a call has timed out, the rollout's other calls share one more timeout in all (hung calls do not
+    add up; ``environment.timeout``): a call may then be failed without starting.
 
     Attributes:
         metric_names: the numbers :meth:`metrics` reports per episode, logged as ``train/<name>`` (their mean
