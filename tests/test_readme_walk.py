@@ -28,10 +28,30 @@ def _commands(block: str) -> list[list[str]]:
     return [shlex.split(line) for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
 
+def _reward_file() -> str:
+    """The README's ``my_rewards.py``, as it shows it."""
+    (block,) = [b for b in _blocks("python") if b.startswith("# my_rewards.py")]
+    return block
+
+
 def _readme_command(start: str) -> list[str]:
     found = [c for b in _blocks("bash") for c in _commands(b) if " ".join(c).startswith(start)]
     assert found, f"the README has no command starting with {start!r}"
     return found[0]
+
+
+def test_the_readme_reward_finds_the_answer_in_a_sentence():
+    """A chat model answers in words ("The answer is 78."): the README's example reward and the built-in it names
+    score that, and only the right number, as a correct answer; a completion with no number scores 0."""
+    from rloo_lightning.rewards.builtin import ExactAnswer
+
+    namespace: dict = {}
+    exec(compile(_reward_file(), "my_rewards.py", "exec"), namespace)
+    completions = ["The answer is 78.", "78", "I think 87, no: 78", "The answer is 87.", "seventy-eight", " 78 apples"]
+    want = [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    for reward in (namespace["correct"], ExactAnswer()):
+        assert reward([""] * 6, completions, [[]] * 6, answer=["78"] * 6) == want, reward
+    assert namespace["correct"](["", ""], ["It is 1,000.", "It is 12"], [[], []], answer=["1000", 12]) == [1.0, 1.0]
 
 
 def _run(name: str, argv: list[str], cwd, env) -> Proc:
@@ -45,8 +65,7 @@ def test_the_readme_path_for_your_own_model_data_and_reward(tmp_path, _cache_dir
 
     env = make_env(_cache_dir)
     # The reward file, exactly as the README shows it.
-    (reward_block,) = [b for b in _blocks("python") if b.startswith("# my_rewards.py")]
-    (tmp_path / "my_rewards.py").write_text(reward_block)
+    (tmp_path / "my_rewards.py").write_text(_reward_file())
     # Prompt files in the README's row format (its first example row's columns), with the tiny model's task.
     example = json.loads(_blocks("json")[0].splitlines()[0])
     assert set(example) == {"prompt", "answer"}
