@@ -19,8 +19,8 @@ from rloo_lightning.tasks import get_task
 README = (REPO / "README.md").read_text()
 
 
-def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
+def _blocks(lang: str, text: str = README) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
 
 
 def _commands(block: str) -> list[list[str]]:
@@ -99,3 +99,25 @@ def test_the_readme_path_for_your_own_model_data_and_reward(tmp_path, _cache_dir
     ids = tokenizer(rows[44]["prompt"], return_tensors="pt")
     out = model.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert out.shape[1] > ids["input_ids"].shape[1]
+
+
+def test_the_vllm_pages_small_model_is_one_vllms_cpu_build_takes(tmp_path, monkeypatch):
+    """docs/vllm.md's small model, built as the page shows it (vLLM itself is not needed): it is saved, loads as a
+    model and tokenizer, has a head size vLLM's CPU attention supports, and its tokenizer writes the quickstart's
+    prompts (which the page's fit trains it on) without an unknown token."""
+    from rloo_lightning.models import load_causal_lm, load_tokenizer
+    from rloo_lightning.vllm_engine import CPU_HEAD_SIZES
+
+    page = (REPO / "docs" / "vllm.md").read_text()
+    (script,) = [b for b in _blocks("python", page) if b.startswith("# small_model.py")]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(script, "small_model.py", "exec"), {"__name__": "__main__"})
+    model, tokenizer = load_causal_lm("small_model"), load_tokenizer("small_model")
+    config = model.config
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert head >= 32 and head in CPU_HEAD_SIZES, head
+    fit = [c for b in _blocks("bash", page) for c in _commands(b) if c[:2] == ["rloo-lightning", "fit"]]
+    assert fit and fit[0][fit[0].index("--model.model_name_or_path") + 1] == "small_model", fit
+    for row in get_task("reverse").make_rows(32, seed=0):
+        assert tokenizer.unk_token_id not in tokenizer(row["prompt"] + row["answer"])["input_ids"], row
+
