@@ -9,12 +9,14 @@ from typing import Literal
 
 import torch
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from rloo_lightning.data.cache import PromptCache, PromptRows
 from rloo_lightning.data.encode import CHAT_ROLES, UNKNOWN_WARNED, PromptEncoder
-from rloo_lightning.data.sampling import ResumableDataLoader, ResumableSampler, collate_prompts
+from rloo_lightning.data.sampling import (ResumableDataLoader, ResumableSampler, collate_prompts, data_layout,
+                                          layout_change)
 from rloo_lightning.data.sources import default_cache_dir, file_source, task_sources
 from rloo_lightning.environments.tools import tool_schemas
 from rloo_lightning.models import context_length, load_tokenizer
@@ -76,7 +78,8 @@ class PromptDataModule(LightningDataModule):
             counting the drops in the log).
         batch_size: prompts per rollout per device (each sampled k times). Every training batch
             is full: the rows that do not fill the last one are skipped each epoch (a warning
-            says how many).
+            says how many). A resumed fit keeps ``batch_size`` x devices (the prompts a step) as the checkpoint
+            has it, else it is refused in one line (docs/reliability.md, "Resuming with other batch options").
         val_batch_size: prompts per validation batch (default: ``batch_size``).
         val_size: held-out fraction (< 1) or count (>= 1) when there is no ``val_file`` (default: 10 % of the rows,
             at most 1,000; a line says so when the cap applies). A resumed run keeps the split it started with.
@@ -216,15 +219,35 @@ class PromptDataModule(LightningDataModule):
 
     # -- the split a run started with, kept on resume -------------------------------------------
     def state_dict(self) -> dict:
-        """With a split held out of ``train_file``: its size, the rows it was drawn from and the seed."""
-        if not self._held_out_split:
-            return {}
-        return {"held_out": {"validation_rows": len(self.val_rows), "source_rows": self._held_out_split["source_rows"],
-                             "seed": self.hparams.seed, "train_file": str(self.hparams.train_file)}}
+        """While fitting, ``layout``: what the data position (the batches a rank has consumed) counts in (see
+        :meth:`load_state_dict`); with a split held out of ``train_file``: its size, the rows it was drawn from and
+        the seed."""
+        state = {}
+        if self._layout() is not None:
+            state["layout"] = self._layout()
+        if self._held_out_split:
+            state["held_out"] = {"validation_rows": len(self.val_rows), "seed": self.hparams.seed,
+                                 "source_rows": self._held_out_split["source_rows"],
+                                 "train_file": str(self.hparams.train_file)}
+        return state
+
+    def _layout(self) -> dict | None:
+        """This fit's :func:`~rloo_lightning.data.sampling.data_layout` (None outside ``fit``)."""
+        trainer = self.trainer
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return None
+        return data_layout(self.hparams.batch_size, trainer.world_size, self.hparams.repeat_batches,
+                           trainer.accumulate_grad_batches)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """A resumed run validates on the prompts it started with, even where the default rule or ``val_size``
-        would now hold out another count (the same seed's shuffle of the same rows: the first ``count`` of it)."""
+        would now hold out another count (the same seed's shuffle of the same rows: the first ``count`` of it).
+
+        A resumed fit whose batch_size x world size, ``repeat_batches`` or ``accumulate_grad_batches`` differ from
+        the checkpoint's ``layout`` is refused (one line naming each, from
+        :func:`~rloo_lightning.data.sampling.layout_change`): the data position is a per-rank batch count, which
+        would then point elsewhere in the data. A checkpoint without ``layout`` resumes unchecked."""
+        self._check_layout(state_dict.get("layout"))
         held = state_dict.get("held_out")
         if not held or not self._held_out_split:
             return
@@ -242,6 +265,22 @@ class PromptDataModule(LightningDataModule):
         self._kept_val_rows = count
         self._loaded.discard("fit")
         self._setup_fit()
+
+    def _check_layout(self, saved: dict | None) -> None:
+        """Refuse a resumed fit whose data position would point elsewhere than where its run stopped; one line when
+        the batch is split over another number of ranks, which continues exactly."""
+        now = self._layout()
+        if now is None or saved is None:
+            return
+        changed = layout_change(saved, now, str(self.trainer.ckpt_path))
+        if changed is not None:
+            raise ValueError(changed)
+        before = (saved.get("batch_size"), saved.get("world_size"))
+        if None not in before and before != (now["batch_size"], now["world_size"]):
+            rank_zero_info(f"PromptDataModule: resumed with data.batch_size {now['batch_size']} on {now['world_size']} "
+                           f"ranks, where the checkpoint's run had {before[0]} on {before[1]}: the same "
+                           f"{now['batch_size'] * now['world_size']} prompts a step, so it continues from the prompt "
+                           "where that run stopped")
 
     # -- loading: the prompt cache -------------------------------------------------------------
     @property
