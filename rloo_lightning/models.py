@@ -64,17 +64,61 @@ def _check_local(name_or_path: str) -> None:
     if local:
         raise ValueError(f"model_name_or_path {name_or_path!r}: no such directory (working directory "
                          f"{os.getcwd()})")
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE and not _in_hub_cache(name_or_path):
+        # transformers would look for it file by file and end with a message that names neither it nor the cache
+        raise ValueError(_not_available(name_or_path, "HF_HUB_OFFLINE is set, so it is not downloaded: download it "
+                                        f"where there is a network (hf download {name_or_path}) or give the folder "
+                                        "it is saved in"))
 
 
-def _check_model_dir(name_or_path: str, path: str, gguf_file: str | None, what: str, files: tuple[str, ...]) -> None:
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether the hub cache holds a snapshot of the model ``repo_id`` (some of its files, at some revision)."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    snapshots = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots"
+    return snapshots.is_dir() and any(snapshots.iterdir())
+
+
+def _not_available(name_or_path: str, why: str) -> str:
+    from huggingface_hub import constants
+
+    return (f"model_name_or_path {name_or_path!r}: not a local folder (working directory {os.getcwd()}) and not in "
+            f"the hub cache ({constants.HF_HUB_CACHE}); {why}")
+
+
+@contextlib.contextmanager
+def _loading(name_or_path: str, path: str, what: str) -> Iterator[None]:
+    """transformers' ``OSError`` (a file missing, the hub out of reach) in one line that names the model and, for a
+    hub id that is not cached, says so: its own message names neither."""
+    try:
+        yield
+    except OSError as err:
+        message = " ".join(str(err).split())
+        if not Path(path).exists() and not _in_hub_cache(path):
+            raise OSError(_not_available(name_or_path, f"downloading its {what} failed: {message}")) from err
+        raise OSError(f"model_name_or_path {name_or_path!r}: its {what} cannot be loaded: {message}") from err
+
+
+def _check_model_dir(name_or_path: str, path: str, gguf_file: str | None, what: str, files: tuple[str, ...],
+                     hint: str = "a folder written by save_pretrained, or a GGUF file in it with model.policy.gguf_file"
+                     ) -> None:
     """A local directory without ``files`` (and no ``gguf_file``) is not a model: say so in one line."""
     folder = Path(path)
     if gguf_file or not folder.is_dir():
         return
     if not any((folder / f).is_file() for f in files):
         raise ValueError(f"model_name_or_path {name_or_path!r}: the directory has no {' or '.join(files)}, so it "
-                         f"is not a saved {what} (a folder written by save_pretrained, or a GGUF file in it with "
-                         "model.policy.gguf_file)")
+                         f"is not a saved {what} ({hint})")
+
+
+# A saved tokenizer has one of these at least: its config, a fast tokenizer's file or a slow one's vocabulary.
+# Without any, transformers tries to convert a slow tokenizer it does not have and says so in terms of
+# sentencepiece and tiktoken.
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -105,13 +149,17 @@ def load_tokenizer(
     path = resolve_model_path(name_or_path)
     _check_model_dir(name_or_path, path, gguf_file, "model or tokenizer",
                      ("config.json", "tokenizer_config.json", "tokenizer.json"))
+    _check_model_dir(name_or_path, path, gguf_file, "tokenizer", TOKENIZER_FILES,
+                     hint="it has the model's config.json: save the tokenizer the model was trained with beside it, "
+                          "with tokenizer.save_pretrained(folder), or copy its files there")
     file = os.path.join(path, gguf_file) if gguf_file else None
     if file and os.path.isfile(file):
         # A GGUF tokenizer is rebuilt from the file's vocabulary and merges (7 s for SmolLM2's 49k), and the
         # module and the data module each load one: built once per file version, a copy for each caller.
         tok = copy.deepcopy(_gguf_tokenizer(path, gguf_file, os.stat(file).st_mtime_ns, trust_remote_code))
     else:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **_gguf(gguf_file))
+        with _loading(name_or_path, path, "tokenizer"):
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **_gguf(gguf_file))
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer of {name_or_path!r} has no eos_token: completions could never end")
     if tok.pad_token_id is None:
@@ -141,7 +189,8 @@ def load_causal_lm(
     """
     path = resolve_model_path(name_or_path)
     _check_model_dir(name_or_path, path, gguf_file, "model", ("config.json",))
-    with _gguf_bar_off_unless_terminal() if gguf_file else contextlib.nullcontext():
+    quiet = _gguf_bar_off_unless_terminal() if gguf_file else contextlib.nullcontext()
+    with quiet, _loading(name_or_path, path, "weights"):
         return AutoModelForCausalLM.from_pretrained(
             path,
             dtype=dtype if dtype is not None else torch.float32,
@@ -177,7 +226,9 @@ def context_length(name_or_path: str, gguf_file: str | None = None, trust_remote
     """The model's maximum sequence length from its config (``max_position_embeddings``), if any."""
     path = resolve_model_path(name_or_path)
     _check_model_dir(name_or_path, path, gguf_file, "model", ("config.json",))
-    return config_context(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **_gguf(gguf_file)))
+    with _loading(name_or_path, path, "config"):
+        return config_context(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                                         **_gguf(gguf_file)))
 
 
 def config_context(cfg) -> int | None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rloo_lightning.importpath import add_cwd_to_sys_path, shadowing_files
-from rloo_lightning.models import load_causal_lm, load_tokenizer, resolve_model_path
+from rloo_lightning.models import context_length, load_causal_lm, load_tokenizer, resolve_model_path
 from rloo_lightning.rewards import RewardError, RewardSet, RewardWarning, resolve_reward
 
 
@@ -112,9 +112,86 @@ def test_directory_without_config(tmp_path, tiny_model_dir):
     assert load_tokenizer(tiny_model_dir).eos_token_id is not None
 
 
-def test_hub_ids_still_go_to_the_hub():
+def test_hub_ids_still_go_to_the_hub(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # offline, an id must be in the cache (below)
     for name in ("Qwen/Qwen2.5-0.5B-Instruct", "gpt2", "x.py"):
         assert resolve_model_path(name) == name
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty hub cache, offline; transformers' loaders must not be reached."""
+    from huggingface_hub import constants
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    for auto in (AutoConfig, AutoModelForCausalLM, AutoTokenizer):
+        monkeypatch.setattr(auto, "from_pretrained", lambda *a, **k: pytest.fail("from_pretrained was reached"))
+    return cache
+
+
+@pytest.mark.parametrize("loader", [load_tokenizer, load_causal_lm, context_length])
+def test_an_uncached_hub_id_offline_is_refused_before_transformers_looks_naming_it_and_the_cache(hub_cache, loader):
+    from rloo_lightning.cli import error_line
+
+    with pytest.raises(ValueError) as info:
+        loader("SomeOrg/not-downloaded")
+    assert error_line(info.value) == (
+        f"error: model_name_or_path 'SomeOrg/not-downloaded': not a local folder (working directory {os.getcwd()}) "
+        f"and not in the hub cache ({hub_cache}); HF_HUB_OFFLINE is set, so it is not downloaded: download it where "
+        "there is a network (hf download SomeOrg/not-downloaded) or give the folder it is saved in")
+
+
+def test_a_cached_hub_id_offline_goes_to_transformers(hub_cache):
+    (hub_cache / "models--SomeOrg--cached" / "snapshots" / "0123abc").mkdir(parents=True)
+    assert resolve_model_path("SomeOrg/cached") == "SomeOrg/cached"
+
+
+def test_a_hub_id_that_fails_to_download_is_named_in_one_line(hub_cache, monkeypatch):
+    """Online, transformers' own message (after the hub's retries) names neither the id nor the cache."""
+    from huggingface_hub import constants
+    from transformers import AutoTokenizer
+
+    def unreachable(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in "
+                      "the cached files.\nCheck your internet connection.")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", unreachable)
+    with pytest.raises(OSError) as info:
+        load_tokenizer("SomeOrg/not-downloaded")
+    assert str(info.value) == (
+        f"model_name_or_path 'SomeOrg/not-downloaded': not a local folder (working directory {os.getcwd()}) and not "
+        f"in the hub cache ({hub_cache}); downloading its tokenizer failed: We couldn't connect to "
+        "'https://huggingface.co' to load the files, and couldn't find them in the cached files. Check your internet "
+        "connection.")
+
+
+def test_a_model_folder_without_a_tokenizer_names_the_folder_and_the_files_it_lacks(tmp_path, tiny_model_dir):
+    """Not transformers' text about sentencepiece and tiktoken: which folder, and which files a tokenizer has."""
+    import shutil
+
+    from rloo_lightning.cli import error_line
+    from rloo_lightning.models import TOKENIZER_FILES
+
+    folder = tmp_path / "model_only"
+    folder.mkdir()
+    for file in Path(tiny_model_dir).iterdir():
+        if file.name not in TOKENIZER_FILES:
+            shutil.copy(file, folder / file.name)
+    assert (folder / "config.json").is_file()
+    with pytest.raises(ValueError) as info:
+        load_tokenizer(str(folder))
+    line = error_line(info.value)
+    assert line.startswith(f"error: model_name_or_path {str(folder)!r}: the directory has no tokenizer_config.json "
+                           "or tokenizer.json or tokenizer.model or vocab.json"), line
+    assert "so it is not a saved tokenizer (it has the model's config.json: save the tokenizer" in line
+    assert load_causal_lm(str(folder)) is not None  # the model itself loads
 
 
 # -- 3. a reward that never scores ------------------------------------------------------------
