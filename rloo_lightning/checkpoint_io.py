@@ -20,6 +20,12 @@ through Lightning's own save); :func:`install_atomic_checkpoint_io` puts it on a
 default one. :func:`replace_path` swaps a staged folder (a sharded checkpoint) in with renames
 (``renameat2(RENAME_EXCHANGE)`` where the kernel and filesystem have it: one atomic step).
 
+**Space.** A write that fails for lack of space (``ENOSPC``/``EDQUOT``, or the ``RuntimeError`` of torch's zip writer,
+``unexpected pos ...``, that hides it: told by the free space left) raises :class:`NoSpaceError`, one line saying
+where, how large the checkpoint and how much is free, and that the previous checkpoint is whole (its temporary
+file is gone). :func:`free_bytes` and :func:`optimizer_state_ratio` serve the check made before training
+(:class:`~rloo_lightning.callbacks.FinalCheckpoint`).
+
 **Checking.** :func:`check_checkpoint_path` tells a truncated file, a file that is not a checkpoint and an
 incomplete sharded folder apart without loading the weights: a zip archive's central directory sits at its
 end (a cut-off save has none), and the archive's small ``data.pkl`` (the pickled structure: keys and
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import inspect
 import os
 import pickletools
 import re
@@ -48,7 +55,8 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 __all__ = ["AtomicCheckpointIO", "atomic_write", "atomic_copy", "replace_path", "staging_path", "remove_stale_temps",
            "install_atomic_checkpoint_io", "saves_a_folder", "check_checkpoint_path", "checkpoint_file_problem",
-           "local_checkpoint_path", "LIGHTNING_KEYS"]
+           "local_checkpoint_path", "LIGHTNING_KEYS", "NoSpaceError", "no_space_error", "free_bytes",
+           "nearest_existing", "storage_bytes", "optimizer_state_ratio", "MB"]
 
 # Every checkpoint Lightning writes has both (Lightning itself reads the version before anything else).
 LIGHTNING_KEYS = ("pytorch-lightning_version", "state_dict")
@@ -61,6 +69,8 @@ _AT_FDCWD, _AT_EMPTY_PATH, _RENAME_EXCHANGE = -100, 0x1000, 2
 # How an O_TMPFILE file is given a name, per filesystem (st_dev): "empty_path", "proc", or None (named temp files).
 _LINK_METHOD: dict[int, str | None] = {}
 _USE_TMPFILE = hasattr(os, "O_TMPFILE") and sys.platform.startswith("linux")
+MB = 1e6  # sizes in messages, as `df -H` and the issue trackers write them
+_SPACE_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
 # -- writing -----------------------------------------------------------------------------------------------------
@@ -190,11 +200,13 @@ def _open_anonymous(folder: str) -> tuple[int, str] | None:
         return None
 
 
-def atomic_write(target: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> None:
+def atomic_write(target: str | os.PathLike, write: Callable[[IO[bytes]], Any], size: int | None = None) -> None:
     """Write ``target`` through ``write(file)`` so that it holds the old content or the new, never a part.
 
     The data is written next to ``target`` (never in ``$TMPDIR``), synced to disk, and renamed over it. On
-    any error (or ``KeyboardInterrupt``) the temporary file is removed and ``target`` is left as it was.
+    any error (or ``KeyboardInterrupt``) the temporary file is removed and ``target`` is left as it was; an error
+    for lack of space is raised as :class:`NoSpaceError` (``size``: about how many bytes ``write`` writes, for its
+    message and to tell a torch write error on a full filesystem from another one; see :func:`no_space_error`).
     A ``target`` that is a symlink is replaced by the file (the link's target is left alone), as Lightning does.
     ``write`` is called once, or twice where naming an anonymous file fails after the probe said it works.
     """
@@ -202,6 +214,27 @@ def atomic_write(target: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -
     folder = os.path.dirname(target)
     os.makedirs(folder, exist_ok=True)
     remove_stale_temps(folder)
+    tmp: str | None = None
+    try:
+        tmp = _write_beside(target, folder, write)
+        replace_path(tmp, target)
+        tmp = None
+    except Exception as exc:
+        if tmp is not None:
+            _remove(tmp)  # first: the free space the message reports is what the failed write had
+            tmp = None
+        error = no_space_error(exc, target, size)
+        if error is not None:
+            raise error from exc
+        raise
+    finally:
+        if tmp is not None:
+            _remove(tmp)
+
+
+def _write_beside(target: str, folder: str, write: Callable[[IO[bytes]], Any]) -> str:
+    """Write the next version of ``target`` into a file of ``folder``, synced; returns its (hidden) name. On an
+    error nothing is left: the anonymous file has no name, a named one is removed."""
     tmp: str | None = None
     try:
         anonymous = _open_anonymous(folder)
@@ -224,8 +257,8 @@ def atomic_write(target: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -
                 write(f)
                 f.flush()
                 os.fsync(f.fileno())
-        replace_path(tmp, target)
-        tmp = None
+        written, tmp = tmp, None
+        return written
     finally:
         if tmp is not None:
             _remove(tmp)
@@ -295,7 +328,7 @@ def atomic_copy(source: str | os.PathLike, target: str | os.PathLike) -> None:
                 src.seek(0)
                 shutil.copyfileobj(src, f, 16 * 1024 * 1024)
 
-            atomic_write(target, copy)
+            atomic_write(target, copy, size=os.fstat(src.fileno()).st_size)
         return
     folder = os.path.dirname(target)
     os.makedirs(folder, exist_ok=True)
@@ -308,6 +341,132 @@ def atomic_copy(source: str | os.PathLike, target: str | os.PathLike) -> None:
     finally:
         if os.path.lexists(staged):
             _remove(staged)
+
+
+# -- space -------------------------------------------------------------------------------------------------------
+class NoSpaceError(OSError):
+    """A checkpoint that does not fit where it goes (``errno.ENOSPC``); its message is the whole line."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(errno.ENOSPC, message, path)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):  # pickled (ddp_spawn): rebuilt from its own arguments, not OSError's
+        return type(self), (self.message, self.filename)
+
+
+def nearest_existing(path: str | os.PathLike) -> str:
+    """``path``, or its nearest folder that exists (a checkpoint folder is made at its first save)."""
+    path = os.path.abspath(os.fspath(path))
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Bytes free for this user on the filesystem that holds ``path`` (or would: its nearest existing folder)."""
+    return shutil.disk_usage(nearest_existing(path)).free
+
+
+def storage_bytes(obj: Any) -> int:
+    """The bytes of the tensors ``torch.save(obj)`` writes: each storage once (tied weights, views), found in
+    nested dicts, lists and tuples. The file is larger by its zip records and pickled structure (~1-2%)."""
+    seen: set[tuple[int, int]] = set()
+    total, stack = 0, [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            try:
+                storage = item.untyped_storage()
+                key = (storage.data_ptr(), storage.nbytes())
+            except (RuntimeError, NotImplementedError):  # a tensor with no storage of its own (a subclass)
+                total += item.numel() * item.element_size()
+                continue
+            if key not in seen:
+                seen.add(key)
+                total += key[1]
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
+
+
+def _errnos(exc: BaseException) -> set[int]:
+    """The ``errno`` of every OSError in ``exc``'s chain (torch's zip writer raises a ``RuntimeError`` while
+    handling the file's ``ENOSPC``), and in the per-rank failures a ``torch.distributed.checkpoint`` save gathers."""
+    found: set[int] = set()
+    stack, seen = [exc], set()
+    while stack:
+        item = stack.pop()
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, OSError) and item.errno is not None:
+            found.add(item.errno)
+        failures = getattr(item, "failures", None)  # CheckpointException: rank -> (exception, traceback)
+        if isinstance(failures, dict):
+            stack.extend(f[0] if isinstance(f, tuple) and f else f for f in failures.values())
+        stack.extend([item.__cause__, item.__context__])
+    return found
+
+
+def no_space_error(exc: BaseException, target: str | os.PathLike, size: int | None = None) -> NoSpaceError | None:
+    """The :class:`NoSpaceError` to raise for ``exc``, a failed write of checkpoint ``target``, when it failed for
+    lack of space; else None. Called after the failed write's temporary file is removed (the free space is then
+    what the write had), on the process that wrote.
+
+    Lack of space: an ``ENOSPC`` or ``EDQUOT`` in the error's chain, or a ``RuntimeError`` (torch's zip writer:
+    ``unexpected pos ...``, ``file write failed``, which may hide the errno) while the filesystem has less free than
+    ``size`` (the checkpoint's bytes) and its overhead (1 MiB + 1%): such a write cannot have succeeded. The message
+    names the folder, the checkpoint's size and the free space, and says that the previous checkpoint is whole."""
+    if isinstance(exc, NoSpaceError):
+        return exc
+    target = os.path.abspath(os.fspath(target))
+    folder, name = os.path.split(target)
+    try:
+        free = free_bytes(folder)
+    except OSError:
+        return None
+    codes = _errnos(exc)
+    quota = getattr(errno, "EDQUOT", None) in codes and errno.ENOSPC not in codes
+    if not codes & _SPACE_ERRNOS and not (
+            isinstance(exc, RuntimeError) and size is not None and free < size + size // 100 + 2 ** 20):
+        return None
+    of = f" of ~{size / MB:.1f} MB" if size else ""
+    previous = (f"the previous {name} is whole (not replaced)" if os.path.lexists(target)
+                else f"no {name} was written")
+    where = "the disk quota is used up on" if quota else "no space left on"
+    return NoSpaceError(f"{where} {folder} (checkpoint {name}{of}, {free / MB:.1f} MB free): {previous}; free some "
+                        "space or write checkpoints elsewhere (trainer.default_root_dir)", folder)
+
+
+def optimizer_state_ratio(optimizer: torch.optim.Optimizer) -> float:
+    """Bytes of state ``optimizer`` keeps per byte of the parameters it steps (AdamW: 2, its two moments; SGD with
+    momentum: 1; plain SGD: 0), measured by one step of the same class and settings on a probe parameter: its state
+    exists only after a first step. An optimizer that cannot be probed so (its constructor takes other arguments,
+    a device-only option) counts as 0: the estimate it serves stays a lower bound."""
+    probe = torch.zeros(8, 8, requires_grad=True)  # a matrix: factored states (Adafactor) stay small, as they do
+    try:
+        settings = dict(optimizer.defaults)  # a wrapper (DeepSpeed's) may have none
+        for key, off in (("fused", None), ("foreach", None), ("capturable", False), ("differentiable", False)):
+            if key in settings:
+                settings[key] = off  # device-specific ways of stepping, not what is stored
+        accepted = inspect.signature(type(optimizer)).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+            # defaults the constructor sets itself (AdamW's decoupled_weight_decay) are no argument of it
+            settings = {key: value for key, value in settings.items() if key in accepted}
+        trial = type(optimizer)([probe], **settings)
+        probe.grad = torch.zeros_like(probe)
+        trial.step()
+        state = trial.state.get(probe, {})
+    except Exception:  # any optimizer's own refusal: no estimate for it
+        return 0.0
+    per_element = [t for t in state.values() if isinstance(t, torch.Tensor) and t.numel() >= probe.numel()]
+    return sum(t.numel() * t.element_size() for t in per_element) / (probe.numel() * probe.element_size())
 
 
 def _local_path(path: str | os.PathLike) -> str | None:
@@ -336,7 +495,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if local is None:
             super().save_checkpoint(checkpoint, path)
             return
-        atomic_write(local, lambda f: torch.save(checkpoint, f))
+        atomic_write(local, lambda f: torch.save(checkpoint, f), size=storage_bytes(checkpoint))
 
 
 def install_atomic_checkpoint_io(strategy: Any) -> bool:

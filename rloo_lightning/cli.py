@@ -19,7 +19,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 from rloo_lightning import console, stop
 from rloo_lightning.callbacks.predict import PredictionWriter
 from rloo_lightning.callbacks.progress import StepProgressBar
-from rloo_lightning.checkpoint_io import check_checkpoint_path, install_atomic_checkpoint_io, local_checkpoint_path
+from rloo_lightning.checkpoint_io import (
+    NoSpaceError,
+    check_checkpoint_path,
+    install_atomic_checkpoint_io,
+    local_checkpoint_path,
+)
 from rloo_lightning.config import check_learning_rate
 from rloo_lightning.data import PromptDataModule
 from rloo_lightning.engines import engine_class
@@ -43,7 +48,7 @@ _THIRD_PARTY_NOISE = {
 _PYTREE_DEPRECATION = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 # Exception types whose message says it all; other types are named on the error line (NonFiniteError: ...).
 _PLAIN_ERRORS = (ValueError, RuntimeError, OSError, FileNotFoundError, FileExistsError, ImportError,
-                 ModuleNotFoundError, TypeError, NotImplementedError, MisconfigurationException)
+                 ModuleNotFoundError, TypeError, NotImplementedError, MisconfigurationException, NoSpaceError)
 
 
 # (module option, data option) pairs the CLI links: one source of truth. The prompts are tokenized by the
