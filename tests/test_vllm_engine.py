@@ -352,8 +352,45 @@ def test_a_fit_with_vllm_logs_the_mismatch_and_corrects_by_default(runs):
     assert len(scalars["train/mismatch/kl_k3"]) == 6
     assert max(abs(v) for v in scalars["train/mismatch/seq_log_ratio"].values()) < 1e-3  # fp32: vLLM ~ pi_theta
     assert "train/correction/weight_mean" in scalars  # correction.level auto: token-level TIS with this engine
-    assert _ckpt(runs["dirs"]["a"] / "lightning_logs/version_0/checkpoints/last.ckpt")["hyper_parameters"][
-        "correction"]["level"] == "token"
+    hparams = _ckpt(runs["dirs"]["a"] / "lightning_logs/version_0/checkpoints/last.ckpt")["hyper_parameters"]
+    assert hparams["correction"]["level"] == "auto"  # stored as given; the engine stored beside it
+    assert hparams["generation_engine"]["class_path"] == "rloo_lightning.vllm_engine.VLLMEngine"
+
+
+@pytest.fixture(scope="module")
+def after_vllm_fit(runs, tmp_path_factory):
+    """export, test and predict of run a's last.ckpt (VLLMEngine, 6 steps)."""
+    from cli_harness import make_env, start_cli, wait_all
+    from test_after_fit import after_fit_args
+
+    runs["procs"]["a"].check()
+    ckpt = runs["dirs"]["a"] / "lightning_logs/version_0/checkpoints/last.ckpt"
+    where = tmp_path_factory.mktemp("after_vllm")
+    env = make_env(where / "cache")
+    procs = {c: start_cli(c, after_fit_args(c, ckpt, where), where, env) for c in ("export", "test", "predict")}
+    wait_all(*procs.values())
+    return {"where": where, "ckpt": ckpt, **procs}
+
+
+@vllm_test
+def test_a_vllm_checkpoint_exports_tests_and_predicts_with_the_engine_rebuilt(after_vllm_fit):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from test_after_fit import ROWS
+
+    for command in ("export", "test", "predict"):
+        after_vllm_fit[command].check()
+    exported = AutoModelForCausalLM.from_pretrained(after_vllm_fit["where"] / "exported")
+    state = _ckpt(after_vllm_fit["ckpt"])["state_dict"]
+    torch.testing.assert_close(exported.model.embed_tokens.weight, state["policy.model.embed_tokens.weight"],
+                               rtol=0, atol=0)
+    assert "test/reward" in after_vllm_fit["test"].stdout
+    predictions = (after_vllm_fit["where"] / "predictions.jsonl").read_text().splitlines()
+    assert len(predictions) == len(ROWS) and all("completion" in json.loads(line) for line in predictions)
+    for command in ("test", "predict"):  # sampled by the rebuilt VLLMEngine: it did not give way to the default
+        assert "cannot run here" not in after_vllm_fit[command].stderr
 
 
 @vllm_test
@@ -389,7 +426,7 @@ def test_the_same_fit_with_the_default_engine_keeps_the_correction_off(runs):
     a = _ckpt(runs["dirs"]["a"] / "lightning_logs/version_0/checkpoints/last.ckpt")
     d = _ckpt(runs["dirs"]["d"] / "lightning_logs/version_0/checkpoints/last.ckpt")
     assert a["global_step"] == d["global_step"] == 6
-    assert d["hyper_parameters"]["correction"]["level"] == "none"
+    assert d["hyper_parameters"]["correction"]["level"] == "auto" and d["hyper_parameters"]["generation_engine"] is None
 
 
 @vllm_test
