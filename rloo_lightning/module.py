@@ -39,7 +39,8 @@ from rloo_lightning.metrics import (
     write_to_loggers,
 )
 from rloo_lightning.multiturn import EpisodeSampler
-from rloo_lightning.policy import disable_dropout, export_pretrained, load_models, lora_config, prepare_policy
+from rloo_lightning.policy import (check_checkpoint_fits, disable_dropout, export_pretrained, load_models, lora_config,
+                                   prepare_policy)
 from rloo_lightning.rewards import RewardSet
 from rloo_lightning.rewards.model import RewardModel
 from rloo_lightning.reference import ReferencePolicy
@@ -576,6 +577,9 @@ class RLOOModule(LightningModule):
             checkpoint["state_dict"].pop(key, None)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # Another model's checkpoint: one line naming both, before any tensor (policy or reference) is loaded.
+        check_checkpoint_fits(checkpoint, self.state_dict(keep_vars=True), self.hparams.model_name_or_path,
+                              absent_ok=self._frozen_base_keys())
         self.guard.skipped_steps = checkpoint.get("rloo_skipped_steps", 0)
         self.advantage_estimator.load_state_dict(checkpoint.get("rloo_moving_average", {}))
         if "rloo_rollout" in checkpoint:

@@ -8,7 +8,8 @@ import torch
 
 from rloo_lightning.config import PolicyArgs
 
-__all__ = ["Frozen", "lora_config", "load_models", "prepare_policy", "disable_dropout", "export_pretrained"]
+__all__ = ["Frozen", "lora_config", "load_models", "check_checkpoint_fits", "prepare_policy", "disable_dropout",
+           "export_pretrained"]
 
 
 class Frozen:
@@ -48,6 +49,43 @@ def load_models(name_or_path: str, args: PolicyArgs, with_reference: bool, strat
         with sharding.replicated_init_context(strategy):
             reference = load_causal_lm(name_or_path, **load)
     return policy, tokenizer, reference
+
+
+def check_checkpoint_fits(checkpoint: dict, state: dict, model_name_or_path: str, absent_ok=frozenset()) -> None:
+    """A checkpoint of another model, in one line before any of its tensors is loaded (``load_state_dict`` would
+    list every tensor that differs, naming neither model): the checkpoint's ``model_name_or_path``, this run's, and
+    the first tensor whose shape differs, else the first policy tensor only one of them has.
+
+    Args:
+        checkpoint: a module checkpoint (``state_dict``, ``hyper_parameters``); one without ``state_dict`` (a
+            sharded one, loaded by its strategy) is not checked.
+        state: this module's ``state_dict(keep_vars=True)`` (a DeepSpeed ZeRO-3 parameter's shape is ``ds_shape``).
+        absent_ok: keys a checkpoint may lack (LoRA's frozen base weights: the base model on disk holds them).
+    """
+    theirs = checkpoint.get("state_dict")
+    if not isinstance(theirs, dict):
+        return
+
+    def shape(tensor) -> list[int]:
+        return list(getattr(tensor, "ds_shape", None) or tensor.shape)
+
+    trained_on = (checkpoint.get("hyper_parameters") or {}).get("model_name_or_path")
+    differ = [key for key in theirs if key in state and shape(theirs[key]) != shape(state[key])]
+    only_there = [key for key in theirs if key.startswith("policy.") and key not in state]
+    only_here = [key for key in state if key.startswith("policy.") and key not in theirs and key not in absent_ok]
+    if differ:
+        why = f"{differ[0]} is {shape(theirs[differ[0]])} in the checkpoint, {shape(state[differ[0]])} here"
+    elif only_there:
+        why = f"the checkpoint has {only_there[0]}, this model has not"
+    elif only_here:
+        why = f"this model has {only_here[0]}, the checkpoint has not"
+    else:
+        return
+    more = len(differ) + len(only_there) + len(only_here) - 1
+    why += f" ({more} more tensors differ)" if more else ""
+    raise ValueError(f"the checkpoint is of model_name_or_path {trained_on!r}, and this run's model "
+                     f"{model_name_or_path!r} does not fit it: {why}; give model.model_name_or_path the model it "
+                     "was trained from, or a checkpoint of this model")
 
 
 def prepare_policy(policy: torch.nn.Module, args: PolicyArgs) -> torch.nn.Module:

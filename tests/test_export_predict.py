@@ -108,6 +108,51 @@ def test_export_of_a_lora_checkpoint(tiny_model_dir, tmp_path, lora_export):
     torch.testing.assert_close(_logits(loaded), expected, rtol=1e-4, atol=1e-5)
 
 
+def _narrower(model_dir: str, directory) -> str:
+    """``model_dir``'s tokenizer with a model half as wide: every weight's shape differs from that model's."""
+    from rloo_lightning.models import build_tiny_llama, load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    model = build_tiny_llama(tok, hidden_size=16, num_layers=2, num_heads=2, max_position_embeddings=32)
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return str(directory)
+
+
+def test_a_checkpoint_of_another_model_is_refused_in_one_line_naming_both(trained, tiny_model_dir, tmp_path):
+    """test/predict/validate/fit --ckpt_path and export --model_name_or_path: not PyTorch's list of every tensor."""
+    from rloo_lightning.cli import error_line
+
+    other = _narrower(tiny_model_dir, tmp_path / "narrow")
+    expected = (f"error: the checkpoint is of model_name_or_path {tiny_model_dir!r}, and this run's model {other!r} "
+                "does not fit it: policy.model.embed_tokens.weight is [13, 32] in the checkpoint, [13, 16] here (20 "
+                "more tensors differ); give model.model_name_or_path the model it was trained from, or a checkpoint "
+                "of this model")
+    data = _data(other, test_file=_prompt_file(tmp_path))
+    with pytest.raises(ValueError) as err:
+        _trainer(tmp_path).test(_module(other), datamodule=data, ckpt_path=trained[1])
+    assert error_line(err.value) == expected
+    with pytest.raises(ValueError) as err:
+        export_checkpoint(trained[1], tmp_path / "exported", model_name_or_path=other)
+    assert error_line(err.value) == expected
+
+
+def test_a_checkpoint_of_another_architecture_names_the_first_tensor_only_one_has():
+    from rloo_lightning.policy import check_checkpoint_fits
+
+    here = {"policy.q.weight": torch.zeros(4, 4), "policy.lm_head.weight": torch.zeros(8, 4), "beta": torch.zeros(())}
+    there = {**here, "policy.q.bias": torch.zeros(4)}  # q/k/v biases (Qwen2) where this model has none
+    checkpoint = {"state_dict": there, "hyper_parameters": {"model_name_or_path": "Qwen/x"}}
+    with pytest.raises(ValueError, match=r"of model_name_or_path 'Qwen/x', and this run's model 'llama' does not fit "
+                                         r"it: the checkpoint has policy\.q\.bias, this model has not; give"):
+        check_checkpoint_fits(checkpoint, here, "llama")
+    checkpoint["state_dict"] = {k: v for k, v in here.items() if k != "policy.lm_head.weight"}
+    with pytest.raises(ValueError, match=r"this model has policy\.lm_head\.weight, the checkpoint has not"):
+        check_checkpoint_fits(checkpoint, here, "llama")
+    check_checkpoint_fits(checkpoint, here, "llama", absent_ok={"policy.lm_head.weight"})  # LoRA's frozen base
+    check_checkpoint_fits({"state_dict": dict(here)}, here, "llama")  # its own checkpoint fits
+
+
 # -- test --------------------------------------------------------------------------------------------------------
 def test_test_evaluates_the_test_file_with_the_validation_metrics(trained, tiny_model_dir, tmp_path):
     module, _ = trained
