@@ -14,6 +14,7 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks.progress import ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from rloo_lightning import console, stop
@@ -80,6 +81,11 @@ class RLOOCLI(LightningCLI):
                  *[self._get(self.config_init, key) for key in self._parser(self.subcommand).callback_keys]]
         enabled = kwargs.get("enable_progress_bar", config.get("enable_progress_bar"))
         default_bar = enabled is not False and not any(isinstance(c, ProgressBar) for c in given)
+        if (self.subcommand in ("validate", "test", "predict") and config.get("logger") in (None, True)
+                and config.get("default_root_dir") is None and "logger" not in kwargs):
+            logger = _logger_beside_checkpoint(self._get(self.config_init, "ckpt_path"), self.subcommand)
+            if logger is not None:
+                kwargs["logger"] = logger
         trainer = super().instantiate_trainer(**kwargs)
         # Checkpoint files written beside their destination and renamed into place (never half-written), unless
         # a checkpoint IO plugin of the user's is configured.
@@ -139,6 +145,13 @@ class RLOOCLI(LightningCLI):
                                        aliases=(f"{key}.lr",))
                     check_learning_rate(init_args["lr"], where)
 
+    def before_fit(self) -> None:
+        """A resume that writes into another folder than its checkpoint's says so in one line (Lightning's "dirpath
+        has changed" warning, dropped in :func:`_run`, says it in terms of its own bookkeeping)."""
+        line = console.resume_line(self.trainer, self._get(self.config_init, "ckpt_path"))
+        if line is not None:
+            rank_zero_info(line)
+
     def _parse_ckpt_path(self) -> None:
         """Done in :meth:`parse_arguments`, as defaults (see there)."""
 
@@ -165,6 +178,21 @@ class RLOOCLI(LightningCLI):
             given = given.as_dict() if hasattr(given, "as_dict") else dict(given)
             self.model.engine_from_checkpoint = (given.get("class_path") == stored["class_path"] and
                                                  _same_args(given.get("init_args"), stored.get("init_args")))
+
+
+def _logger_beside_checkpoint(ckpt_path: str | None, subcommand: str):
+    """The logger of ``validate`` / ``test`` / ``predict`` from a fit's checkpoint (``<run>/checkpoints/x.ckpt``):
+    Lightning's default one (TensorBoard's, else CSV), in ``<run>/<subcommand>/version_N``, so that these runs sit
+    beside the fit they evaluate, not among the fit runs of the working folder. None (Lightning's default, in the
+    working folder) for a checkpoint elsewhere or not on this machine."""
+    local = local_checkpoint_path(ckpt_path) if ckpt_path else None
+    if local is None or Path(local).resolve().parent.name != "checkpoints":
+        return None
+    from lightning.fabric.loggers.tensorboard import _TENSORBOARD_AVAILABLE, _TENSORBOARDX_AVAILABLE
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    logger = TensorBoardLogger if _TENSORBOARD_AVAILABLE or _TENSORBOARDX_AVAILABLE else CSVLogger
+    return logger(save_dir=str(Path(local).resolve().parent.parent), name=subcommand)
 
 
 def _as_list(value) -> list:
@@ -474,10 +502,10 @@ def _run(args: list[str] | None) -> None:
     if subcommand == "export":  # not a Trainer method, so not a LightningCLI subcommand
         export_main(argv[argv.index("export") + 1:])
         return
-    if subcommand != "fit":
-        # test / predict / validate from a checkpoint run in a new log folder: the checkpoint callback's note
-        # that its folder changed is true and harmless there (nothing is saved).
-        warnings.filterwarnings("ignore", message="The dirpath has changed from")
+    # A run from a checkpoint has a folder of its own. Lightning's note that the checkpoint callback's folder
+    # changed (so its list of best checkpoints starts again there) is left out: test / predict / validate save
+    # nothing, and a resumed fit that writes into a new folder says so in a line of its own (before_fit).
+    warnings.filterwarnings("ignore", message="The dirpath has changed from")
     # exit_on_error=False: a parse error raises (main prints it as one line) instead of printing the usage.
     # allow_abbrev=False: a misspelt option is an error, never another option's prefix (--trainer.max_step).
     strict = {"exit_on_error": False, "allow_abbrev": False}

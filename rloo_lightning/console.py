@@ -6,7 +6,8 @@
   or an error is written (:func:`end_partial_line`); in a file there are no partial lines (the progress is written
   as whole lines, and stdout is line-buffered so that a line is never split by stderr's output).
 * The closing line of ``fit``, ``validate``, ``test`` and ``predict``, naming where the run's files went:
-  ``fit done: checkpoint /abs/.../last.ckpt | logs /abs/.../version_0`` (:func:`outputs_line`).
+  ``fit done: checkpoint /abs/.../last.ckpt | logs /abs/.../version_0`` (:func:`outputs_line`); and the line a
+  resumed fit starts with when it writes into a new folder (:func:`resume_line`).
 
 :func:`install` sets up the first two in the command's process (``main`` calls it); nothing here runs on import.
 """
@@ -21,7 +22,7 @@ from contextlib import contextmanager
 from typing import Iterator, TextIO
 
 __all__ = ["is_terminal", "end_partial_line", "write_line", "format_warning", "install", "outputs_line",
-           "report_outputs"]
+           "report_outputs", "resume_line"]
 
 
 def is_terminal(stream: TextIO | None) -> bool:
@@ -165,6 +166,24 @@ def outputs_line(trainer, subcommand: str) -> str:
         items += [f"predictions {path}" for path in _predictions(trainer)]
     items += [f"logs {path}" for path in _log_dirs(trainer)]
     return f"{subcommand} done: " + (" | ".join(items) if items else "nothing was saved")
+
+
+def resume_line(trainer, ckpt_path: str | None) -> str | None:
+    """The line a resumed fit starts with when its checkpoints go to another folder than the one of the checkpoint
+    it resumes from (Lightning's default logger starts a new ``version_N``): ``resuming from <ckpt>: this run's
+    checkpoints go to a new folder, <folder>`` (absolute paths). None when the run goes on in its checkpoint's own
+    folder, saves no checkpoints, or resumes from no local file."""
+    from rloo_lightning.callbacks.checkpoint import FinalCheckpoint
+    from rloo_lightning.checkpoint_io import local_checkpoint_path
+
+    local = local_checkpoint_path(ckpt_path) if ckpt_path else None
+    if local is None or not trainer.checkpoint_callbacks:
+        return None
+    folder = FinalCheckpoint.dirpath(trainer, broadcast=False)  # the run's checkpoint folder, before it is made
+    local = os.path.abspath(local)
+    if os.path.realpath(folder) == os.path.realpath(os.path.dirname(local)):
+        return None
+    return f"resuming from {local}: this run's checkpoints go to a new folder, {os.path.abspath(folder)}"
 
 
 def report_outputs(trainer, subcommand: str | None) -> None:

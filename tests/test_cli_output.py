@@ -330,5 +330,9 @@ def test_cli_mid_epoch_resume_gives_no_not_resumable_warning(runs, tiny_model_di
     resumed = run_cli("resumed", _fit_args(root, tiny_model_dir, 5, FINAL, "--ckpt_path", last), root,
                       make_env(_cache_dir))
     assert NOT_RESUMABLE not in resumed.log, resumed.explain()
+    # a new version folder: said in one line of its own, not by Lightning's "dirpath has changed" warning
+    assert "dirpath has changed" not in resumed.log, resumed.explain()
     end = root / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt"
+    said = [line for line in resumed.stderr.splitlines() if line.startswith("resuming from ")]
+    assert said == [f"resuming from {last}: this run's checkpoints go to a new folder, {end.parent}"], resumed.explain()
     assert torch.load(end, map_location="cpu", weights_only=False)["global_step"] == 5

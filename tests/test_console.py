@@ -366,6 +366,27 @@ def test_the_last_line_names_the_checkpoint_and_the_logs(tmp_path):
     assert console.outputs_line(bare, "fit") == "fit done: nothing was saved"
 
 
+def test_a_resume_into_a_new_folder_says_where_and_one_in_its_own_folder_says_nothing(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    ckpt = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"")
+
+    def trainer(**kwargs) -> Trainer:
+        return Trainer(accelerator="cpu", default_root_dir=str(tmp_path), enable_progress_bar=False,
+                       enable_model_summary=False, **kwargs)
+
+    new = trainer()  # Lightning's default logger: the next version, version_1
+    assert console.resume_line(new, str(ckpt)) == (
+        f"resuming from {ckpt}: this run's checkpoints go to a new folder, "
+        f"{tmp_path / 'lightning_logs' / 'version_1' / 'checkpoints'}")
+    # the run's own folder (its version pinned): nothing to say, whatever folder the checkpoint recorded
+    assert console.resume_line(trainer(logger=CSVLogger(str(tmp_path), version=0)), str(ckpt)) is None
+    assert console.resume_line(new, None) is None and console.resume_line(new, "last") is None  # no local file
+    assert console.resume_line(trainer(enable_checkpointing=False), str(ckpt)) is None  # no checkpoints saved
+
+
 def test_the_last_line_is_written_once_on_rank_zero_only(capsys):
     trainer = SimpleNamespace(is_global_zero=True, callbacks=[], checkpoint_callbacks=[], loggers=[])
     console.report_outputs(trainer, "test")
@@ -423,7 +444,8 @@ def _check_plain(run: Proc) -> list[str]:
     """The run's lines, after the checks every redirected run passes: no escape codes, no carriage returns, no
     progress line twice, no warning with a source path."""
     text = run.stdout
-    assert "\x1b" not in text and "\r" not in text, run.explain()
+    raw = (run.cwd / f"{run.name}.stdout").read_bytes()  # read as text, a carriage return would be a newline
+    assert b"\x1b" not in raw and b"\r" not in raw, run.explain()
     lines = text.splitlines()
     progress = [line for line in lines if PROGRESS.match(line)]
     assert len(set(progress)) == len(progress), run.explain()

@@ -82,11 +82,17 @@ def test_the_readme_path_for_your_own_model_data_and_reward(tmp_path, _cache_dir
     _run("fit", fit, tmp_path, env)
     assert (tmp_path / "lightning_logs/version_0/checkpoints/last.ckpt").is_file()
 
-    # test, predict, export: the README's commands verbatim.
+    # test, predict, export: the README's commands verbatim. test and predict log beside the run they evaluate, not
+    # among the fit runs of the working folder, and their last line says where.
+    run = tmp_path / "lightning_logs" / "version_0"
     test = _run("test", _readme_command("rloo-lightning test --ckpt_path"), tmp_path, env)
     assert "test/reward" in test.stdout + test.stderr
-    _run("predict", _readme_command("rloo-lightning predict --ckpt_path"), tmp_path, env)
-    (predictions,) = tmp_path.glob("lightning_logs/version_*/predictions.jsonl")
+    assert test.stdout.splitlines()[-1] == f"test done: logs {run / 'test' / 'version_0'}", test.explain()
+    predict = _run("predict", _readme_command("rloo-lightning predict --ckpt_path"), tmp_path, env)
+    predictions = run / "predict" / "version_0" / "predictions.jsonl"
+    assert predict.stdout.splitlines()[-1] == (f"predict done: predictions {predictions} | logs "
+                                               f"{predictions.parent}"), predict.explain()
+    assert [p.name for p in (tmp_path / "lightning_logs").iterdir()] == ["version_0"]
     written = [json.loads(line) for line in predictions.read_text().splitlines()]
     assert [r["prompt"] for r in written] == [r["prompt"] for r in rows[44:]]
     assert all(r["reward"] in (0.0, 1.0) and set(r["scores"]) == {"correct"} for r in written)
