@@ -184,15 +184,17 @@ def _logger_beside_checkpoint(ckpt_path: str | None, subcommand: str):
     """The logger of ``validate`` / ``test`` / ``predict`` from a fit's checkpoint (``<run>/checkpoints/x.ckpt``):
     Lightning's default one (TensorBoard's, else CSV), in ``<run>/<subcommand>/version_N``, so that these runs sit
     beside the fit they evaluate, not among the fit runs of the working folder. None (Lightning's default, in the
-    working folder) for a checkpoint elsewhere or not on this machine."""
+    working folder) for a checkpoint elsewhere, not on this machine, or in a run folder this process cannot write to
+    (a shared model's)."""
     local = local_checkpoint_path(ckpt_path) if ckpt_path else None
-    if local is None or Path(local).resolve().parent.name != "checkpoints":
+    folder = Path(local).resolve().parent if local is not None else None
+    if folder is None or folder.name != "checkpoints" or not os.access(folder.parent, os.W_OK):
         return None
     from lightning.fabric.loggers.tensorboard import _TENSORBOARD_AVAILABLE, _TENSORBOARDX_AVAILABLE
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     logger = TensorBoardLogger if _TENSORBOARD_AVAILABLE or _TENSORBOARDX_AVAILABLE else CSVLogger
-    return logger(save_dir=str(Path(local).resolve().parent.parent), name=subcommand)
+    return logger(save_dir=str(folder.parent), name=subcommand)
 
 
 def _as_list(value) -> list:

@@ -79,6 +79,24 @@ def test_transformers_weight_loading_bar_is_off_after_quieting():
             hf_logging.enable_progress_bar()
 
 
+def test_an_evaluation_from_a_fits_checkpoint_logs_beside_that_run(tmp_path):
+    """validate / test / predict of ``<run>/checkpoints/x.ckpt`` log in ``<run>/<command>/version_N``; a checkpoint
+    kept elsewhere, or none on this machine, leaves Lightning's default (the working folder)."""
+    from rloo_lightning.cli import _logger_beside_checkpoint
+
+    run = tmp_path / "lightning_logs" / "version_0"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    (run / "test" / "version_0").mkdir(parents=True)  # an earlier test of this run
+    logger = _logger_beside_checkpoint(str(run / "checkpoints" / "last.ckpt"), "test")
+    assert Path(logger.log_dir) == run / "test" / "version_1"
+    assert Path(_logger_beside_checkpoint(str(run / "checkpoints" / "last.ckpt"), "predict").log_dir) == (
+        run / "predict" / "version_0")
+    (tmp_path / "kept.ckpt").write_bytes(b"")
+    assert _logger_beside_checkpoint(str(tmp_path / "kept.ckpt"), "test") is None
+    assert _logger_beside_checkpoint("last", "test") is None and _logger_beside_checkpoint(None, "test") is None
+
+
 # --- the error line ------------------------------------------------------------------------------------------
 
 
