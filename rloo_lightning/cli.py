@@ -6,7 +6,6 @@ import difflib
 import logging
 import os
 import re
-import signal
 import sys
 import warnings
 from argparse import ArgumentError
@@ -463,13 +462,14 @@ def main(args: list[str] | None = None) -> None:
     add_cwd_to_sys_path()
     _quiet_third_party()
     console.install()  # warnings as `warning: <message>` lines; nothing glued to a progress bar
-    stop.install()  # from here a SIGTERM ends the run promptly at any point, keeping what there is to keep
+    stop.install()  # from here a SIGTERM or Ctrl-C ends the run promptly at any point, keeping what there is to keep
     try:
         _run_reporting_errors(args)
     except SIGTERMException:  # a SystemExit with no code (status 0): a scheduler that preempted the run must
-        if stop.phase() == "setup" and os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
-            sys.stderr.write("stopped by SIGTERM before the first training step of this run: nothing to save\n")
-        sys.exit(128 + signal.SIGTERM)  # not read it as success; 143, as a process killed by the signal
+        if stop.phase() == "setup" and stop.rank_zero():
+            sys.stderr.write(f"stopped by {stop.signal_name()} before the first training step of this run: "
+                             "nothing to save\n")
+        sys.exit(stop.exit_code())  # not read it as success: 143 or 130, as a process killed by the signal
 
 
 def _run_reporting_errors(args: list[str] | None) -> None:

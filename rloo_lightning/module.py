@@ -519,6 +519,10 @@ class RLOOModule(LightningModule):
         self.grad_stash.inject(self.policy)  # the earlier micro-batches' gradients join the last one's
 
     def on_before_optimizer_step(self, optimizer) -> None:
+        if stop.phase() == "setup":
+            # The first step's update: a stop signal from here keeps this step, at its end (raised at once in its
+            # end's hooks instead, it would save Lightning's counters half-updated).
+            stop.set_phase("train")
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
         if grads and not self.guard.finite(self.reduce_across_ranks, *grads):
             self._on_nonfinite("gradient")

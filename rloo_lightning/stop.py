@@ -1,13 +1,14 @@
-"""SIGTERM at any point: a preempted job ends promptly, and keeps what it can keep.
+"""SIGTERM (and Ctrl-C) at any point: a preempted job ends promptly, and keeps what it can keep.
 
 Lightning acts on SIGTERM at the end of a training step or of a validation batch, and only once its trainer runs;
 before that (building the prompt cache, loading the model) the signal's default action kills the process at once.
 A step's generation, or one validation batch of many prompts, can take minutes. This module's handler, installed
 by the CLI before anything else (and by :func:`attach` for a trainer made outside it):
 
-* before the first optimizer step (cache building, model loading, the validation before training, the first step)
-  there is nothing to save: it raises :class:`~lightning.pytorch.utilities.exceptions.SIGTERMException` at once
-  (the CLI exits with 143 and says so in one line);
+* before the first optimizer step (cache building, model loading, the validation before training, the first step
+  up to its update) there is nothing to save: it raises
+  :class:`~lightning.pytorch.utilities.exceptions.SIGTERMException` at once (the CLI exits with 143 and says so in
+  one line); from the first update on, Lightning stops at that step's end and ``last.ckpt`` holds it;
 * after it, it sets a flag that the long loops read between their units of work (each generated token, each
   turn of an episode, each validation batch) through :func:`check`. With one process, ``check`` raises there:
   during validation ``FinalCheckpoint`` then writes ``last.ckpt`` of the step just finished; inside a training
@@ -19,39 +20,58 @@ by the CLI before anything else (and by :func:`attach` for a trainer made outsid
   order (:func:`agree`): after a step's generation (before its first collective), at each training batch's end
   and at each validation batch's start. A rank that was not signalled learns of the signal from the process
   group's store within :data:`POLL_SECONDS` while it generates, or at the next of those points;
-* it forwards the signal to the ranks this process launched. Lightning's own SIGTERM handler is replaced by this
+* it passes a SIGTERM on to the ranks this process launched. Lightning's own SIGTERM handler is replaced by this
   one for the trainer's run (it broadcasts a tensor from inside the handler, which pairs with whatever
   collective the other ranks are in at that moment).
+
+In the CLI (:func:`install`; a trainer made outside it keeps Python's ``KeyboardInterrupt``), SIGINT (Ctrl-C) is
+handled the same way, so that a stopped run keeps its ``last.ckpt`` (Python's own handler raises
+``KeyboardInterrupt``: Lightning then exits 1 and saves nothing); the CLI exits with 130 instead of 143 and the
+lines name the signal (:func:`signal_name`, :func:`exit_code`). A terminal sends Ctrl-C to its whole foreground
+process group: the ranks this process launched get it from the terminal too, so a SIGINT is passed on to them as a
+SIGTERM, which starts the same stop and is never taken for a second Ctrl-C there. A second SIGINT ends the process
+at once (:func:`_end_now`): the processes it started are killed, nothing more is saved, and a checkpoint being
+written is dropped (the write goes to a temporary name: what was written before stays whole). Worker processes
+ignore SIGINT (:func:`ignore_sigint`, started under :func:`sigint_held`): the trainer decides.
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import os
 import signal
+import sys
 import threading
 import time
 
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-__all__ = ["abort_step", "aborted_step", "agree", "attach", "between_batches", "check", "end_step", "install", "phase",
-           "requested", "set_phase"]
+__all__ = ["abort_step", "aborted_step", "agree", "attach", "between_batches", "check", "end_step", "exit_code",
+           "ignore_sigint", "install", "phase", "rank_zero", "requested", "set_phase", "sigint_held", "signal_name"]
 
 POLL_SECONDS = 1.0  # how often a generating rank asks the process group's store whether another rank was signalled
 _KEY = "rloo_lightning/sigterm"
 
 _state = {"requested": False, "phase": "setup", "installed": False, "trainer": None, "aborted_step": False,
-          "runs": 0, "polled": 0.0}
+          "runs": 0, "polled": 0.0, "signal": None, "sigints": 0}
+# signal: the first stop signal received (SIGTERM or SIGINT); sigints: how many SIGINTs (the second ends at once)
 # phase: "setup" (nothing trained yet), "train" (inside a training step), "boundary" (between steps),
 # "validation" (a validation loop after the first step), "saving" (a checkpoint is being written), "predict"
 
 
 def install(trainer=None) -> None:
-    """Install the handler (main thread only; idempotent). ``trainer``: its launcher's ranks get the signal."""
+    """Install the handler for SIGTERM and SIGINT (main thread only; idempotent). ``trainer``: its launcher's ranks
+    get a SIGTERM when this process gets either. A SIGINT ignored when the process started (a background job of a
+    shell, ``nohup``) stays ignored."""
     if trainer is not None:
         _state["trainer"] = trainer
     if _state["installed"] or threading.current_thread() is not threading.main_thread():
         return
     signal.signal(signal.SIGTERM, _handler)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _handler)
     _state["installed"] = True
 
 
@@ -76,6 +96,52 @@ def set_phase(phase: str) -> None:
 
 def requested() -> bool:
     return _state["requested"]
+
+
+def signal_name() -> str:
+    """The name of the signal that stopped the run (``SIGTERM`` when none did)."""
+    return signal.Signals(_state["signal"] or signal.SIGTERM).name
+
+
+def exit_code() -> int:
+    """The CLI's status after a stop: 128 + the signal, as a process killed by it (143 for SIGTERM, 130 for
+    SIGINT), so that a scheduler or a wrapper script does not read a stopped run as a finished one."""
+    return 128 + (_state["signal"] or signal.SIGTERM)
+
+
+def rank_zero() -> bool:
+    """This process is the one a user started, or global rank 0 (not a rank a launcher started): the one that
+    writes the CLI's lines."""
+    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
+
+
+@contextlib.contextmanager
+def sigint_held():
+    """SIGINT blocked in this thread while a worker process starts: a spawned child inherits the block across its
+    ``exec`` and gets no ``KeyboardInterrupt`` while it imports, before :func:`ignore_sigint` (a SIGINT that comes
+    meanwhile reaches this process when the block ends)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    # Started first, if it is not running: multiprocessing starts it with every start, and its start ends with an
+    # unblock of SIGINT in this thread (it ignores the signal itself).
+    resource_tracker.ensure_running()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def ignore_sigint() -> None:
+    """In a worker process (reward, tool, generation): ignore SIGINT. A terminal sends Ctrl-C to the whole process
+    group; a worker killed by it would break the step under the trainer, which decides when to stop (and stops
+    its workers). Unblocks it after :func:`sigint_held` (a SIGINT held meanwhile is dropped, being ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def check(where: str = "") -> bool:
@@ -177,11 +243,18 @@ def _peer_signalled() -> bool:
 
 
 def _handler(signum, frame) -> None:
+    if signum == signal.SIGINT:
+        _state["sigints"] += 1
+        if _state["sigints"] > 1:
+            _end_now()
     first = not _state["requested"]
     _state["requested"] = True
     trainer = _state["trainer"]
     if first:
-        _forward(signum)
+        _state["signal"] = signum
+        # A SIGTERM whatever the signal: a Ctrl-C reached the launched ranks from the terminal already, and a
+        # forwarded SIGINT would be a second one there (the rank would end alone, the others waiting for it).
+        _forward(signal.SIGTERM)
         if _world_size() > 1 and (store := _store()) is not None:
             try:
                 store.set(_key(), "1")  # the ranks that were not signalled learn of it
@@ -191,6 +264,24 @@ def _handler(signum, frame) -> None:
         trainer._signal_connector.received_sigterm = True  # one process: Lightning's stops apply as they are
     if _state["phase"] == "setup":
         raise SIGTERMException("before the first step")
+
+
+def _end_now() -> None:
+    """A second SIGINT: the user does not want to wait. End now, with the ranks and workers this process started
+    (a worker in a call that never returns would outlive it); the line is written with one ``os.write`` (a signal
+    handler may run while the main thread is inside a write to the same stream)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, RuntimeError, ValueError):  # closed, or reentered from inside a write
+            pass
+    if rank_zero():
+        os.write(2, b"stopped at once by a second SIGINT (Ctrl-C): nothing more is saved (checkpoints written "
+                    b"before it are whole)\n")
+    _forward(signal.SIGKILL)
+    for child in multiprocessing.active_children():
+        child.kill()
+    os._exit(128 + signal.SIGINT)
 
 
 def _lightning_notifier(signum, frame) -> None:
@@ -212,4 +303,5 @@ def _forward(signum) -> None:
 
 def reset() -> None:
     """Forget a signal (tests, and a new run in the same process)."""
-    _state.update(requested=False, phase="setup", trainer=None, aborted_step=False, polled=0.0)
+    _state.update(requested=False, phase="setup", trainer=None, aborted_step=False, polled=0.0, signal=None,
+                  sigints=0)

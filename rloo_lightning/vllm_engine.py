@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
+import logging
 import os
 import tempfile
 import time
@@ -49,6 +50,20 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 _POLL_SECONDS = 0.05  # how often the trainer checks for a stop signal while the child generates
+#: vLLM's log level in the child unless ``VLLM_LOGGING_LEVEL`` is set: its INFO lines (about 20 at start, 3 a push)
+#: describe its own setup, not the run.
+_VLLM_LOG_LEVEL = "WARNING"
+
+
+def _vllm_log_level() -> str:
+    return os.environ.get("VLLM_LOGGING_LEVEL", _VLLM_LOG_LEVEL).upper()
+
+
+def silenced_line() -> str:
+    """Said once when the engine starts: what the child's log leaves out (:class:`_HarmlessVLLMRecords`), and why."""
+    return (f"VLLMEngine: vLLM logs at level {_vllm_log_level()} (VLLM_LOGGING_LEVEL), less two harmless warnings: "
+            "'Chat template warmup failed' (no tokenizer: token ids go in, no chat) and 'RotaryEmbedding: Failed to "
+            "load weights' after each push (its cos/sin table is computed from the config, not loaded)")
 
 
 def vllm_available() -> bool:
@@ -188,6 +203,9 @@ class VLLMEngine(GenerationEngine):
         self._worker = _Worker(device, torch.get_num_threads(), self.startup_timeout)
         archs = list(getattr(config, "architectures", None) or [type(base).__name__])
         self._worker.call("build", llm_kwargs, archs)
+        from lightning.pytorch.utilities import rank_zero_info
+
+        rank_zero_info(silenced_line())
 
     def close(self) -> None:
         """Stop the child process (it also ends with this process)."""
@@ -304,12 +322,14 @@ class _Worker:
         self.stop_event = ctx.Event()
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads),
                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+               "VLLM_LOGGING_LEVEL": _vllm_log_level(),
                "TOKENIZERS_PARALLELISM": "false"}
         if device.type == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = _visible_device(device)
         # spawn copies this process's environment at start, and would run the user's script again in the child
         # (a script without a `__main__` guard would start training there): the child needs nothing from it.
-        with _environment(env, drop=_LAUNCHER_ENV), _main_script_hidden():
+        # SIGINT held: the spawned child imports for seconds before it ignores the signal (stop.sigint_held).
+        with _environment(env, drop=_LAUNCHER_ENV), _main_script_hidden(), stop.sigint_held():
             self.process = ctx.Process(target=_serve, args=(child, self.stop_event), daemon=True,
                                        name="rloo-vllm-engine")
             self.process.start()
@@ -397,12 +417,44 @@ def _environment(values: dict[str, str], drop: tuple[str, ...] = ()) -> Iterator
                 os.environ[k] = v
 
 
+class _HarmlessVLLMRecords(logging.Filter):
+    """Drops two vLLM (0.32) warnings that are harmless for this engine and read like failures:
+
+    * ``Chat template warmup failed`` with a traceback, at build: ``LLM`` renders a chat once to compile its
+      template for ``LLM.chat``; with ``skip_tokenizer_init`` there is no tokenizer to render with, and this engine
+      sends token ids, never chats.
+    * ``RotaryEmbedding: Failed to load weights`` (or another rotary class), at each push: ``reload_weights``
+      counts a rotary embedding's cos/sin table (a buffer computed from the config, in no checkpoint) as a weight,
+      finds none among the policy's, and keeps the table it had. FourierRotaryEmbedding has learned coefficients:
+      its message is kept, as is every other layer's.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "Chat template warmup failed":
+            return False
+        if record.msg == "%s: Failed to load weights" and record.args:
+            layer = str(record.args[0])
+            return not (layer.endswith("RotaryEmbedding") and layer != "FourierRotaryEmbedding")
+        return True
+
+    #: The module loggers that write them (vLLM 0.32). A filter on the ``vllm`` logger's handler would not last:
+    #: ``LLM()`` applies vLLM's logging config again, with new handlers, before its chat template warmup.
+    LOGGERS = ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.layerwise")
+
+    @classmethod
+    def install(cls) -> None:
+        for name in cls.LOGGERS:
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, cls) for f in logger.filters):
+                logger.addFilter(cls())
+
+
 def _serve(conn, stop_event) -> None:
     """The child: build the engine, then answer ``push`` / ``generate`` requests until ``close``."""
     import signal
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the trainer decides when to stop, and stops this process
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop.ignore_sigint()
     llm, buffers = None, None
     while True:
         try:
@@ -415,6 +467,7 @@ def _serve(conn, stop_event) -> None:
             if verb == "build":
                 from vllm import LLM, ModelRegistry
 
+                _HarmlessVLLMRecords.install()
                 supported = set(ModelRegistry.get_supported_archs())
                 if not any(a in supported for a in args[1]):
                     conn.send(("refused", f"VLLMEngine: vLLM does not support the policy's architecture {args[1]}; "

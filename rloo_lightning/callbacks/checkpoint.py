@@ -36,7 +36,8 @@ LAST = "last.ckpt"
 
 class FinalCheckpoint(Callback):
     """Write ``last.ckpt`` when fit ends, when it is stopped by SIGTERM (preemption: the process then exits with
-    status 143), and every ``every_n_steps`` optimizer steps, beside the checkpoints.
+    status 143) or Ctrl-C (status 130; :mod:`rloo_lightning.stop`), and every ``every_n_steps`` optimizer steps,
+    beside the checkpoints.
 
     Lightning's ``ModelCheckpoint`` saves on its own triggers only: with validation off, or a ``max_steps``
     that ``val_check_interval`` does not divide, the steps after its last trigger are lost. This callback
@@ -196,8 +197,8 @@ class FinalCheckpoint(Callback):
         elif not self._last_is_current(trainer):
             self._save(trainer)
         path = self.last_path(trainer)
-        rank_zero_info(f"stopped by SIGTERM after step {trainer.global_step}; {path} holds that step: resume with "
-                       f"--ckpt_path {path}")
+        rank_zero_info(f"stopped by {stop.signal_name()} after step {trainer.global_step}; {path} holds that step: "
+                       f"resume with --ckpt_path {path}")
 
     def _last_is_current(self, trainer: Trainer) -> bool:
         """No step taken, or ``last.ckpt`` already holds this step (written by this callback or by a

@@ -47,7 +47,8 @@ def _number(value) -> float | None:
 
 class PredictionWriter(BasePredictionWriter):
     """One JSON line per completion from ``predict_step``, written after each batch (a crash keeps what was done).
-    A SIGTERM stops ``predict`` after the batch in progress is written (the process exits with status 143).
+    A SIGTERM or Ctrl-C stops ``predict`` after the batch in progress is written (the process exits with status 143
+    or 130).
 
     Added by :class:`~rloo_lightning.RLOOModule` (``model.predict.output_file``); idle outside ``predict``.
 
@@ -103,8 +104,8 @@ class PredictionWriter(BasePredictionWriter):
         if stop.agree(trainer):
             self._handle.close()
             self._handle = None
-            rank_zero_info(f"predict stopped by SIGTERM after batch {batch_idx}: {self._written} completions are in "
-                           f"{self.path}")
+            rank_zero_info(f"predict stopped by {stop.signal_name()} after batch {batch_idx}: {self._written} "
+                           f"completions are in {self.path}")
             raise SIGTERMException
 
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

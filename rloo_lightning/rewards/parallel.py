@@ -19,6 +19,8 @@ can hang on one pathological completion. :class:`WorkerPool` runs them in separa
   cannot kill one task, so workers are plain processes with one pipe each;
 * workers live across calls and are stopped by :meth:`WorkerPool.close`, at interpreter exit, or
   when the pool is garbage-collected. A worker whose parent died gets EOF on its pipe and exits;
+* workers ignore SIGINT, from their start on: a terminal's Ctrl-C reaches the whole process group, and the
+  trainer decides what it stops (:mod:`rloo_lightning.stop`); a worker killed by it would fail the step;
 * ``memory_mb`` (None for rewards; the tool workers of
   :class:`~rloo_lightning.environments.tools.ToolEnvironment` set it) caps each worker's address space
   (``RLIMIT_AS``, Linux) at what it maps once started (its imports, torch's included, and functions built) plus
@@ -44,6 +46,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from rloo_lightning.rewards.protocol import RewardError, build_reward, invoke
+from rloo_lightning.stop import ignore_sigint, sigint_held
 
 __all__ = ["WorkerPool", "RemoteError", "get_context"]
 
@@ -118,6 +121,7 @@ def _worker_main(conn, payloads: dict[int, bytes], cwd: str | None = None, memor
     ``cwd``: the parent's working directory, appended to ``sys.path`` before the functions are built.
     ``memory_mb``: MiB of address space the calls may add to what the worker maps once built (None: no limit).
     """
+    ignore_sigint()  # first: a Ctrl-C to the process group is the trainer's to act on
     try:
         if cwd is not None:
             from rloo_lightning.importpath import add_cwd_to_sys_path
@@ -139,7 +143,7 @@ def _worker_main(conn, payloads: dict[int, bytes], cwd: str | None = None, memor
     while True:
         try:
             msg = conn.recv()
-        except (EOFError, OSError, KeyboardInterrupt):  # parent gone or interrupted: just exit
+        except (EOFError, OSError):  # parent gone: just exit
             return
         if msg is None:
             return
@@ -148,13 +152,11 @@ def _worker_main(conn, payloads: dict[int, bytes], cwd: str | None = None, memor
             values = invoke(funcs[i], mode, prompts, completions, completion_ids, columns)
             reply = ("ok", task_id, values)
             pickle.dumps(reply)  # values that cannot travel back are this call's error
-        except KeyboardInterrupt:
-            return
         except BaseException as err:  # noqa: BLE001
             reply = ("error", task_id, _pack(err), traceback.format_exc())
         try:
             conn.send(reply)
-        except (OSError, KeyboardInterrupt):
+        except OSError:
             return
 
 
@@ -234,7 +236,10 @@ class WorkerPool:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(target=_worker_main, args=(child_conn, self._payloads, os.getcwd(), self.memory_mb),
                                  name="rloo-reward-worker", daemon=False)
-        proc.start()
+        # A worker starts with SIGINT blocked until it ignores it: a spawned one imports for seconds first, and so
+        # does a forkserver started here (it ignores SIGINT then; the processes it forks inherit the block).
+        with sigint_held():
+            proc.start()
         child_conn.close()  # so that the worker's death is EOF here
         return _Worker(proc, parent_conn)
 
