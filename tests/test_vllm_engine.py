@@ -4,6 +4,7 @@ vLLM (refusals without it, the correction default) run everywhere."""
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 
@@ -549,3 +550,55 @@ def test_the_training_step_with_vllm_sampling_is_unbiased_and_a_known_mismatch_i
     results = json.loads(out.read_text())["results"]
     assert results["vllm, no correction"]["unbiased"] is True
     assert results["vllm at T=1.6, no correction"]["unbiased"] is False
+
+
+# -- what a fit with vLLM prints ----------------------------------------------------------------
+def _vllm_log_lines(text: str) -> list[str]:
+    """The lines of vLLM's own logging (its format names the process: the engine's child)."""
+    return [line for line in text.splitlines() if re.match(r"\(rloo-vllm-engine pid=\d+\) [A-Z]+ \d\d-\d\d ", line)]
+
+
+def _record(msg: str, *args) -> logging.LogRecord:
+    return logging.LogRecord("vllm.x", logging.WARNING, "x.py", 1, msg, args, None)
+
+
+def test_only_the_two_harmless_vllm_warnings_are_dropped():
+    from rloo_lightning.vllm_engine import _HarmlessVLLMRecords
+
+    keep = _HarmlessVLLMRecords().filter
+    assert not keep(_record("Chat template warmup failed"))
+    assert not keep(_record("%s: Failed to load weights", "RotaryEmbedding"))
+    assert not keep(_record("%s: Failed to load weights", "Llama3RotaryEmbedding"))
+    assert keep(_record("%s: Failed to load weights", "QKVParallelLinear"))  # a real layer left unloaded is shown
+    assert keep(_record("%s: Failed to load weights", "FourierRotaryEmbedding"))  # learned coefficients
+    assert keep(_record("Passing raw prompts to InputProcessor is deprecated"))
+
+
+@vllm_test
+def test_the_dropped_warnings_come_from_the_loggers_the_filter_is_on():
+    """A vLLM that moves either message to another module would show it again: this says so."""
+    import importlib
+    import inspect
+
+    from rloo_lightning.vllm_engine import _HarmlessVLLMRecords
+
+    sources = [inspect.getsource(importlib.import_module(name)) for name in _HarmlessVLLMRecords.LOGGERS]
+    assert '"Chat template warmup failed"' in sources[0]
+    assert '"%s: Failed to load weights"' in sources[1]
+
+
+@vllm_test
+def test_a_fit_with_vllm_prints_no_traceback_and_a_few_vllm_lines_whatever_its_length(runs):
+    """Runs a (6 steps) and b (3 steps): vLLM at warning level (at INFO it wrote ~20 lines at start and 3 a push),
+    neither the chat template warmup's traceback nor the rotary embedding's 'Failed to load weights' after each
+    push, and one line saying what was left out."""
+    from rloo_lightning.vllm_engine import silenced_line
+
+    logs = {name: runs["procs"][name].check().log for name in ("a", "b")}
+    lines = {name: _vllm_log_lines(log) for name, log in logs.items()}
+    for name, log in logs.items():
+        assert "Traceback" not in log, log
+        assert not [line for line in lines[name] if "Failed to load weights" in line or " INFO " in line]
+        assert log.count(silenced_line()) == 1
+    assert 0 < len(lines["a"]) < 20, lines["a"]
+    assert len(lines["a"]) == len(lines["b"]), (lines["a"], lines["b"])  # nothing is written per step or push
