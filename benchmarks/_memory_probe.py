@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback
 
-from rloo_lightning.timing import peak_rss_mb
+from rloo_lightning.runtime.timing import peak_rss_mb
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _MIB = 1024 * 1024

@@ -524,7 +524,7 @@ NOTES = [
     "of the policy over prompt + completion every step (its old_per_token_logps, used for the KL in the reward "
     "and the importance ratio, which is 1 with num_iterations=1); ours and (c) reuse the log-probs of the "
     "update's forward, detached. (b) computes log-probs with TRL's chunked fused LM head (no [B,T,V] logits), "
-    "ours and (c) with rloo_lightning.logprobs.token_logprobs on the completion positions' logits. "
+    "ours and (c) with rloo_lightning.algo.logprobs.token_logprobs on the completion positions' logits. "
     "(b) computes the gradient norm every step for its logs even with clipping off (max_grad_norm=0). "
     "(a) also runs its validation pass before training and writes a checkpoint at the end: outside the "
     "step windows, but in its wall time and peak RSS; (b) saves nothing.",

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers import GenerationConfig
 
-    from rloo_lightning.logprobs import completion_mask, token_entropy, token_logprobs
+    from rloo_lightning.algo.logprobs import completion_mask, token_entropy, token_logprobs
     from rloo_lightning.models import load_causal_lm, load_tokenizer
     from rloo_lightning.rollout import default_eos_ids, derive_seed, sampling_config
 

@@ -68,7 +68,7 @@ def set_threads(threads: int) -> None:
 def peak_rss_mb() -> float:
     """This process's peak resident set (VmHWM), in MiB.
 
-    Not ``rloo_lightning.timing.peak_rss_mb``: importing the package (and Lightning) into TRL's and the bare
+    Not ``rloo_lightning.runtime.timing.peak_rss_mb``: importing the package (and Lightning) into TRL's and the bare
     loop's processes would add to the very peak measured here.
     """
     try:

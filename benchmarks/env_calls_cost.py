@@ -15,7 +15,7 @@ import statistics
 import time
 from pathlib import Path
 
-from rloo_lightning.multiturn import EnvCalls
+from rloo_lightning.environments.calls import EnvCalls
 
 
 def measure(calls: EnvCalls, n: int, repeats: int, sleep_s: float) -> float:

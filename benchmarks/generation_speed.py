@@ -55,9 +55,10 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import CompileConfig
 
-    from rloo_lightning.decode import DecodeLoopEngine
-    from rloo_lightning.decode import _chunked_head as chunked_head
-    from rloo_lightning.logprobs import completion_mask, sequence_logprobs
+    from rloo_lightning.engines.decode import DecodeLoopEngine
+    from rloo_lightning.engines.decode import _chunked_head as chunked_head
+    from rloo_lightning.algo.logprobs import completion_mask
+    from rloo_lightning.forward import sequence_logprobs
     from rloo_lightning.models import load_causal_lm, load_tokenizer, resolve_model_path
     from rloo_lightning.engines import HFGenerateEngine
     from rloo_lightning.rollout import Rollout, default_eos_ids, sampling_config

@@ -35,7 +35,7 @@ from benchmarks.bench_common import emit_json, rollout_parser  # noqa: E402
 
 def packed_logprobs(model, rollout, temperature: float) -> torch.Tensor:
     """``[B, T]`` log-probs from one packed forward: row i's real prompt and completion tokens back to back."""
-    from rloo_lightning.logprobs import token_logprobs
+    from rloo_lightning.algo.logprobs import token_logprobs
 
     pieces, positions, segments, targets = [], [], [], []
     lengths = rollout.completion_mask.sum(1).long().tolist()
@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.bench_common import task_prompts
     from transformers import GenerationConfig
 
-    from rloo_lightning.decode import DecodeLoopEngine
-    from rloo_lightning.logprobs import completion_mask, sequence_logprobs
+    from rloo_lightning.engines.decode import DecodeLoopEngine
+    from rloo_lightning.algo.logprobs import completion_mask
+    from rloo_lightning.forward import sequence_logprobs
     from rloo_lightning.models import load_causal_lm, load_tokenizer, resolve_model_path
     from rloo_lightning.rollout import Rollout, default_eos_ids, sampling_config
 

@@ -14,7 +14,7 @@ temperature 1 without top-k / top-p, the same dtype, ``--warmup`` + ``--steps`` 
 (default) rloo_lightning with its default engine (``DecodeLoopEngine``: a decode loop over the live policy's KV
     cache, exactly pi_theta), through the real CLI, module and data module: ``configs/quickstart.yaml`` with the
     model, sizes, steps, device and precision overridden, validation off.
-(vllm) the same, with ``--model.generation_engine rloo_lightning.vllm_engine.VLLMEngine`` (dtype ``auto``: the
+(vllm) the same, with ``--model.generation_engine rloo_lightning.engines.vllm.VLLMEngine`` (dtype ``auto``: the
     policy's; on a GPU ``--vllm-gpu-memory-utilization`` and ``--vllm-sleep-level``). Its correction is the
     engine's default (``correction.level: auto``: token-level TIS), as a user gets it.
 (trl_vllm) TRL's ``RLOOTrainer`` with ``use_vllm=True, vllm_mode="colocate"``, configured as
@@ -100,7 +100,7 @@ def run_ours(spec_path: str, out_path: str) -> None:
     if spec.get("gguf_file"):
         args += ["--model.policy.gguf_file", spec["gguf_file"]]
     if spec["engine"] == "vllm":
-        args += ["--model.generation_engine", "rloo_lightning.vllm_engine.VLLMEngine",
+        args += ["--model.generation_engine", "rloo_lightning.engines.vllm.VLLMEngine",
                  "--model.generation_engine.dtype", spec.get("vllm_dtype") or "auto"]
         if cuda:
             args += ["--model.generation_engine.gpu_memory_utilization", str(spec["gpu_memory_utilization"]),

@@ -1,6 +1,6 @@
 """rloo_lightning: RLOO post-training for causal LMs with PyTorch Lightning."""
 
-from rloo_lightning.advantages import leave_one_out_advantages
+from rloo_lightning.algo.advantages import leave_one_out_advantages
 from rloo_lightning.callbacks import RolloutHook, ValidateAtStart
 from rloo_lightning.config import (
     AdvantageArgs,
@@ -15,7 +15,7 @@ from rloo_lightning.config import (
     ValidationArgs,
 )
 from rloo_lightning.data import PromptDataModule
-from rloo_lightning.logprobs import completion_mask, masked_sum, token_entropy, token_logprobs
+from rloo_lightning.algo.logprobs import completion_mask, masked_sum, token_entropy, token_logprobs
 from rloo_lightning.metrics import pass_at_k
 from rloo_lightning.module import RLOOModule
 from rloo_lightning.rewards import RewardSet

@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from rloo_lightning.advantages import informative_groups
+from rloo_lightning.algo.advantages import informative_groups
 from rloo_lightning.config import DynamicSamplingArgs
 from rloo_lightning.rollout import Rollout, concat_groups
 

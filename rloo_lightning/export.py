@@ -18,9 +18,9 @@ __all__ = ["read_checkpoint", "checkpoint_hparams", "module_from_checkpoint", "e
 
 def _check_exists(path: Path, option: str = "checkpoint", keys: tuple[str, ...] = ("hyper_parameters",)) -> None:
     """One line naming ``path`` when it does not exist, is truncated or is not a checkpoint (see
-    :func:`rloo_lightning.checkpoint_io.check_checkpoint_path`), before torch reads it. ``keys``: what its pickled
-    structure must name (a module checkpoint, with or without Lightning's version: its hyperparameters)."""
-    from rloo_lightning.checkpoint_io import check_checkpoint_path
+    :func:`rloo_lightning.runtime.checkpoint_check.check_checkpoint_path`), before torch reads it. ``keys``: what its
+    pickled structure must name (a module checkpoint, with or without Lightning's version: its hyperparameters)."""
+    from rloo_lightning.runtime.checkpoint_check import check_checkpoint_path
 
     check_checkpoint_path(path, option, lightning_values=False, keys=keys)
     if path.is_dir() and not (path / "meta.pt").is_file():

@@ -10,9 +10,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch import Tensor
 
-from rloo_lightning.advantages import group_std
-from rloo_lightning.logprobs import masked_sum
-from rloo_lightning.multiturn import CUT_KINDS
+from rloo_lightning.algo.advantages import group_std
+from rloo_lightning.algo.logprobs import masked_sum
+from rloo_lightning.environments.episodes import CUT_KINDS
 from rloo_lightning.rewards.protocol import RewardError, short_repr
 
 __all__ = [

@@ -11,9 +11,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from rloo_lightning import sharding
-from rloo_lightning import stop
-from rloo_lightning.advantages import AdvantageEstimator
+from rloo_lightning.runtime import sigterm
+from rloo_lightning.algo.advantages import AdvantageEstimator
 from rloo_lightning.callbacks.base import RolloutHook, ValidateAtStart
 from rloo_lightning.callbacks.checkpoint import FinalCheckpoint, ended_optimizer_step, start_next_epoch
 from rloo_lightning.callbacks.predict import PredictionWriter, prediction_rows
@@ -22,13 +21,13 @@ from rloo_lightning.config import (
     RunArgs, SamplingArgs, ShapingArgs, UpdateArgs, ValidationArgs, GROUPS, Options, as_group, check_options,
     to_primitives,
 )
-from rloo_lightning.correction import importance_weights, mismatch_sums, weighted_advantages
-from rloo_lightning.decode import DecodeLoopEngine
+from rloo_lightning.algo.correction import importance_weights, mismatch_sums, weighted_advantages
+from rloo_lightning.engines.decode import DecodeLoopEngine
 from rloo_lightning.dynamic_sampling import fill_informative
 from rloo_lightning.engines import GenerationEngine, build_engine, engine_spec
-from rloo_lightning.kl import KLTerm
-from rloo_lightning.logprobs import sequence_logprobs, worth_sharing
-from rloo_lightning.losses import PolicyLoss
+from rloo_lightning.algo.kl import KLTerm
+from rloo_lightning.forward import sequence_logprobs, worth_sharing
+from rloo_lightning.algo.losses import PolicyLoss
 from rloo_lightning.metrics import (
     MissingRewardWatch,
     NoSignalWatch,
@@ -38,17 +37,18 @@ from rloo_lightning.metrics import (
     train_metric_sums,
     write_to_loggers,
 )
-from rloo_lightning.multiturn import EpisodeSampler
-from rloo_lightning.policy import (check_checkpoint_fits, disable_dropout, export_pretrained, load_models, lora_config,
-                                   prepare_policy)
+from rloo_lightning.environments.sampler import EpisodeSampler
+from rloo_lightning.models import sharding
+from rloo_lightning.models.policy import (check_checkpoint_fits, disable_dropout, export_pretrained, load_models,
+                                          lora_config, prepare_policy)
 from rloo_lightning.rewards import RewardSet
 from rloo_lightning.rewards.model import RewardModel
 from rloo_lightning.reference import ReferencePolicy
-from rloo_lightning.rewards.shaping import shape_rewards
+from rloo_lightning.algo.shaping import shape_rewards
 from rloo_lightning.rollout import Rollout, default_eos_ids, derive_seed
 from rloo_lightning.rollout import generate_rollout, generation_configs
-from rloo_lightning.threads import use_threads
-from rloo_lightning.timing import PhaseTimer
+from rloo_lightning.runtime.threads import use_threads
+from rloo_lightning.runtime.timing import PhaseTimer
 from rloo_lightning.update import (
     GradientStash, NonFiniteError, NonFiniteGuard, RolloutReuse, loss_denominators, micro_batches,
 )
@@ -85,7 +85,7 @@ class RLOOModule(LightningModule):
         predict: what ``predict`` samples and where it writes (``PredictArgs``).
         environment: multi-turn episodes in an environment, off by default (``EnvironmentArgs``).
         generation_engine: what samples the completions (:class:`~rloo_lightning.engines.GenerationEngine`;
-            default: :class:`~rloo_lightning.decode.DecodeLoopEngine`, a decode loop over the policy's KV cache;
+            default: :class:`~rloo_lightning.engines.decode.DecodeLoopEngine`, a decode loop over the policy's KV cache;
             :class:`~rloo_lightning.engines.HFGenerateEngine` is the policy's own ``generate``). In YAML
             ``{class_path: my.Engine, init_args: {...}}``.
         run: what a fit writes besides the weights: ``last.ckpt`` every N steps, phase times (``RunArgs``).
@@ -167,7 +167,7 @@ class RLOOModule(LightningModule):
     def setup(self, stage: str) -> None:
         # Before any model is loaded (Lightning calls configure_model after this).
         if self._trainer is not None:
-            stop.attach(self._trainer)  # a SIGTERM from now to the first step ends the run at once (stop.py)
+            sigterm.attach(self._trainer)  # a SIGTERM from now to the first step ends the run at once (sigterm.py)
             # Before any model is loaded: every rank of this node shares its CPUs (threads.py)
             rank_zero_info(use_threads(getattr(self._trainer, "num_devices", 1)))
         stage = getattr(stage, "value", stage)  # Lightning passes a TrainerFn ("fit", "validate", ...)
@@ -291,7 +291,7 @@ class RLOOModule(LightningModule):
         if rollout is None:
             # 1. Rollout: k samples per prompt from pi_theta itself (explicit sampler, seeded by step).
             rollout = self.sample(batch, c.sampling.k, self.sampling_seed("train", self.global_step))
-            stop.end_step(self._trainer, "after generation")  # a SIGTERM during it: every rank stops here together
+            sigterm.end_step(self._trainer, "after generation")  # a SIGTERM during it: every rank stops here together
             # 2. Rewards: weighted sum of the reward functions (NaN = missing), then the optional shaping.
             rollout.scores, rollout.rewards = self.score(rollout)
             if c.dynamic_sampling.enabled:  # DAPO: more prompts until every group's rewards differ
@@ -329,7 +329,7 @@ class RLOOModule(LightningModule):
                 with self.timer("reference"):
                     rollout.ref_logp = self.reference_logprobs(rollout, rows)
             # 4. KL on the sequence (k1), detached, folded into the reward *before* the baseline:
-            #    R = r - beta * log pi(y)/pi_ref(y) (paper Sec. 2.3), unbiased for E[r] - beta*KL (kl.py: KLTerm).
+            #    R = r - beta * log pi(y)/pi_ref(y) (paper Sec. 2.3), unbiased for E[r] - beta*KL (algo/kl.py: KLTerm).
             rollout.token_kl, rollout.kl, baseline_rewards = self.kl_term.fold(
                 rollout.rewards, None if logp is None else logp.detach(), rollout.ref_logp, rollout.completion_mask,
                 self.beta)
@@ -366,7 +366,7 @@ class RLOOModule(LightningModule):
         # ranks stopping at different lengths issue no collectives (no deadlock); a no-op otherwise.
         config = self.greedy_config if greedy else self.generation_config
         with self.timer("generation"), sharding.gathered_for_generation(self.policy, self._strategy):
-            if self.episodes is not None:  # multi-turn: all turns inside the one gather (multiturn.py)
+            if self.episodes is not None:  # multi-turn: all turns inside the one gather (environments/episodes.py)
                 return self.episodes.sample(self.policy, self.tokenizer, batch, k, config, seed, self.engine,
                                             self._grad_free(), self.reduce_across_ranks)
             return generate_rollout(self.policy, self.tokenizer, batch["input_ids"], batch["attention_mask"],
@@ -399,7 +399,7 @@ class RLOOModule(LightningModule):
                                  share_prompt=self.shares_prompt(rollout))
 
     def shares_prompt(self, rollout: Rollout) -> bool:
-        """``update.share_prompt`` for this rollout (``auto``: :func:`~rloo_lightning.logprobs.worth_sharing`)."""
+        """``update.share_prompt`` for this rollout (``auto``: :func:`~rloo_lightning.forward.worth_sharing`)."""
         option = self.cfg.update.share_prompt
         if option != "auto":
             return option == "always"
@@ -482,7 +482,7 @@ class RLOOModule(LightningModule):
                                                                     "dynamic", step, round_))
             extra = {key: v.to(self.device) if isinstance(v, Tensor) else v for key, v in extra.items()}
             candidate = self.sample(extra, self.cfg.sampling.k, self.sampling_seed(f"dynamic{round_}", step))
-            stop.end_step(self._trainer, "after generation")
+            sigterm.end_step(self._trainer, "after generation")
             candidate.scores, candidate.rewards = self.score(candidate)
             return candidate
 
@@ -519,10 +519,10 @@ class RLOOModule(LightningModule):
         self.grad_stash.inject(self.policy)  # the earlier micro-batches' gradients join the last one's
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        if stop.phase() == "setup":
+        if sigterm.phase() == "setup":
             # The first step's update: a stop signal from here keeps this step, at its end (raised at once in its
             # end's hooks instead, it would save Lightning's counters half-updated).
-            stop.set_phase("train")
+            sigterm.set_phase("train")
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
         if grads and not self.guard.finite(self.reduce_across_ranks, *grads):
             self._on_nonfinite("gradient")
@@ -535,7 +535,7 @@ class RLOOModule(LightningModule):
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         if self.global_step > 0:
-            stop.set_phase("train")  # a SIGTERM now: Lightning stops at this step's end and keeps it
+            sigterm.set_phase("train")  # a SIGTERM now: Lightning stops at this step's end and keeps it
         if self.ref is not None:
             self.ref.sync(self.policy, self.global_step, self.device)  # kl.ref_sync_steps: TR-DPO (reference.py)
 
@@ -545,10 +545,10 @@ class RLOOModule(LightningModule):
             self.engine.on_weights_updated(self.policy)
         # Lightning stops at this batch's end on a SIGTERM: decided by every rank together; between two
         # micro-batches of one optimizer step the state to keep is the last step's (FinalCheckpoint rewinds).
-        if stop.agree(self._trainer) and not stepped:
-            stop.abort_step()
+        if sigterm.agree(self._trainer) and not stepped:
+            sigterm.abort_step()
         if self.global_step > 0:
-            stop.set_phase("boundary")
+            sigterm.set_phase("boundary")
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _frozen_base_keys(self) -> set[str]:
@@ -644,21 +644,21 @@ class RLOOModule(LightningModule):
 
     def on_predict_start(self) -> None:
         self.engine.on_weights_updated(self.policy)
-        stop.set_phase("predict")  # from here PredictionWriter stops after the batch in progress is written
+        sigterm.set_phase("predict")  # from here PredictionWriter stops after the batch in progress is written
 
     def on_validation_start(self) -> None:
         if self.trainer.state.fn == "validate":
             self.engine.on_weights_updated(self.policy)
         if self.global_step > 0 and self.trainer.training is False:
-            stop.set_phase("validation")  # a SIGTERM now ends the run at the next token: the step is kept
+            sigterm.set_phase("validation")  # a SIGTERM now ends the run at the next token: the step is kept
 
     def on_validation_end(self) -> None:
         if self.global_step > 0:
-            stop.set_phase("boundary")
+            sigterm.set_phase("boundary")
 
     def on_validation_batch_start(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         if self.global_step > 0:
-            stop.between_batches(self._trainer, "validation")  # every rank together (stop.py)
+            sigterm.between_batches(self._trainer, "validation")  # every rank together (sigterm.py)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._log_evaluation(batch, batch_idx, "val", self.val_metrics)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from rloo_lightning.kl import mix_into_reference
+from rloo_lightning.algo.kl import mix_into_reference
 
 __all__ = ["ReferencePolicy"]
 

@@ -10,7 +10,7 @@ from torch import Tensor
 from transformers import GenerationConfig
 
 from rloo_lightning.engines import GenerationEngine, HFGenerateEngine
-from rloo_lightning.logprobs import completion_mask
+from rloo_lightning.algo.logprobs import completion_mask
 
 __all__ = ["Rollout", "Episodes", "eos_list", "concat_groups", "sampling_config", "default_eos_ids", "derive_seed",
            "generate_rollout", "stop_string_ends", "generation_configs", "normal_tensor"]
@@ -18,7 +18,8 @@ __all__ = ["Rollout", "Episodes", "eos_list", "concat_groups", "sampling_config"
 
 @dataclass
 class Episodes:
-    """A multi-turn rollout's per-episode record (``environment.class_path``, :mod:`rloo_lightning.multiturn`).
+    """A multi-turn rollout's per-episode record (``environment.class_path``,
+    :mod:`rloo_lightning.environments.sampler`).
 
     Such a rollout holds each episode's whole transcript in ``completion_ids``; ``completion_mask`` is 1 only on
     the tokens the policy sampled, so every loss and KL term covers those alone.
@@ -86,7 +87,7 @@ class Rollout:
             sum, the sequence KL log pi(y)/pi_ref(y); None when beta == 0.
         baseline_rewards: step 4, ``[B]`` the reward R the baseline and advantages are computed from: ``r - beta*kl``
             (``kl.placement: reward``, the paper) or ``r``, standardised if ``advantage.normalize_rewards``.
-        mismatch: step 3b, ``{name: (sum, count)}`` of :func:`~rloo_lightning.correction.mismatch_sums`.
+        mismatch: step 3b, ``{name: (sum, count)}`` of :func:`~rloo_lightning.algo.correction.mismatch_sums`.
         is_weights: step 3b, ``[B]`` or ``[B, T]`` detached importance weights pi_theta/pi_s
             (``correction.level``), else None.
         keep: step 5, ``[B]`` bool; rows set False (by ``shaping.mask_truncated_completions`` or a callback) leave

@@ -108,7 +108,7 @@ class RolloutReuse:
 
 
 def loss_denominators(rollout: Rollout, reduce, world_size: int, norm_constant: float) -> dict:
-    """The divisors of :func:`~rloo_lightning.losses.aggregate_token_loss`, global over ranks, fixed before
+    """The divisors of :func:`~rloo_lightning.algo.losses.aggregate_token_loss`, global over ranks, fixed before
     any micro-batch so that the micro-batch losses add up to the whole rollout's.
 
     DDP averages gradients over ranks, so each rank divides its sum by (global count / world size). If

@@ -10,8 +10,8 @@ import time
 
 from lightning.pytorch import Callback
 
-from rloo_lightning.decode import DecodeLoopEngine
-from rloo_lightning.vllm_engine import VLLMEngine  # does not import vLLM
+from rloo_lightning.engines.decode import DecodeLoopEngine
+from rloo_lightning.engines.vllm import VLLMEngine  # does not import vLLM
 
 
 def _record(event: str) -> int:
@@ -114,7 +114,7 @@ class SignallingEngine(DecodeLoopEngine):
 
 
 class SignallingVLLMEngine(VLLMEngine):
-    """:class:`~rloo_lightning.vllm_engine.VLLMEngine` that sends its own process SIGTERM as its ``at_call``-th
+    """:class:`~rloo_lightning.engines.vllm.VLLMEngine` that sends its own process SIGTERM as its ``at_call``-th
     generation (from 0) starts: the engine's wait for the child sees the signal and ends the rollout there."""
 
     def __init__(self, at_call: int = -1) -> None:
@@ -130,10 +130,10 @@ class SignallingVLLMEngine(VLLMEngine):
 
 
 def pool_under_ctrl_c(start_method: str) -> None:
-    """A :class:`~rloo_lightning.rewards.parallel.WorkerPool` of 2 workers sent SIGINT to its process group while
+    """A :class:`~rloo_lightning.runtime.workers.WorkerPool` of 2 workers sent SIGINT to its process group while
     they start and again during a call (:func:`reward_that_presses_ctrl_c`), this process counting the signals as
     the trainer would; prints ``outcomes``, whether the workers are the same processes, and the signals seen."""
-    from rloo_lightning.rewards.parallel import WorkerPool
+    from rloo_lightning.runtime.workers import WorkerPool
 
     seen = []
     signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))

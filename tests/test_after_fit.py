@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from rloo_lightning import RLOOModule
-from rloo_lightning.decode import DecodeLoopEngine
+from rloo_lightning.engines.decode import DecodeLoopEngine
 from rloo_lightning.engines import (
     GenerationEngine, HFGenerateEngine, ReducedPrecisionEngine, build_engine, cpu_supports_bf16, engine_spec,
 )
-from rloo_lightning.vllm_engine import VLLMEngine
+from rloo_lightning.engines.vllm import VLLMEngine
 
 REWARDS = {"funcs": ["rloo_lightning.tasks.reverse.reward"]}
 ROWS = [{"prompt": "abc=", "answer": "cba"}, {"prompt": "hgfed=", "answer": "defgh"},
@@ -67,7 +67,7 @@ def test_options_are_stored_as_given_and_the_engine_beside_them(tiny_model_dir):
     module = RLOOModule(tiny_model_dir, rewards=REWARDS, generation_engine=VLLMEngine(max_num_seqs=8))
     assert module.cfg.correction.level == "token"  # auto, for this engine
     assert module.hparams["correction"]["level"] == "auto"  # stored as given
-    assert module.hparams["generation_engine"]["class_path"] == "rloo_lightning.vllm_engine.VLLMEngine"
+    assert module.hparams["generation_engine"]["class_path"] == "rloo_lightning.engines.vllm.VLLMEngine"
     again = RLOOModule(**module.hparams)  # as load_from_checkpoint builds it
     assert isinstance(again.engine, VLLMEngine) and again.engine.max_num_seqs == 8
     assert again.cfg.correction.level == "token"
@@ -218,7 +218,7 @@ def rebuilt(fits, tmp_path_factory, _cache_dir):
         "resume": ["fit", "--ckpt_path", str(hf["ckpt"]), "--trainer.max_steps", "3",
                    "--trainer.default_root_dir", str(base / "resume")],
         "override": ["test", "--ckpt_path", str(hf["ckpt"]), "--model.generation_engine",
-                     "rloo_lightning.decode.DecodeLoopEngine", "--print_config"],
+                     "rloo_lightning.engines.decode.DecodeLoopEngine", "--print_config"],
     }
     procs = {name: start_cli(name, args, base, env) for name, args in specs.items()}
     wait_all(*procs.values())
@@ -258,4 +258,4 @@ def test_a_resume_rebuilds_the_engine_and_the_command_line_replaces_it(rebuilt, 
     assert hparams["generation_engine"] == fits["hf"]["hparams"]["generation_engine"]
     assert "train step 3/3" in resume.log
     config = yaml.safe_load(rebuilt["override"].check().stdout)
-    assert config["model"]["generation_engine"]["class_path"] == "rloo_lightning.decode.DecodeLoopEngine"
+    assert config["model"]["generation_engine"]["class_path"] == "rloo_lightning.engines.decode.DecodeLoopEngine"

@@ -13,7 +13,7 @@ from lightning.pytorch import Trainer
 
 from rloo_lightning import RLOOModule
 from rloo_lightning.callbacks import KLMonitor, SampleLogger, ZeroVarianceFilter
-from rloo_lightning.advantages import group_std, informative_groups
+from rloo_lightning.algo.advantages import group_std, informative_groups
 from rloo_lightning.callbacks.kl import adaptive_beta
 from rloo_lightning.data import collate_prompts
 
@@ -96,7 +96,7 @@ def test_filter_gradient_equals_dropping_groups_by_hand(tiny_model_dir):
 def test_a_rollout_hook_may_replace_the_reward_the_baseline_sees(tiny_model_dir):
     # The hook contract: on_rollout may replace baseline_rewards (and drop rows); the advantages follow its values,
     # the task reward stays as scored.
-    from rloo_lightning.advantages import leave_one_out_advantages
+    from rloo_lightning.algo.advantages import leave_one_out_advantages
     from rloo_lightning.callbacks import RolloutHook
 
     class Replace(RolloutHook):

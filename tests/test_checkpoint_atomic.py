@@ -31,17 +31,16 @@ import pytest
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from rloo_lightning import checkpoint_io
-from rloo_lightning.checkpoint_io import (
+from rloo_lightning.runtime import atomic_checkpoint
+from rloo_lightning.runtime.atomic_checkpoint import (
     AtomicCheckpointIO,
     atomic_copy,
-    check_checkpoint_path,
-    checkpoint_file_problem,
     install_atomic_checkpoint_io,
     remove_stale_temps,
     replace_path,
     staging_path,
 )
+from rloo_lightning.runtime.checkpoint_check import check_checkpoint_path, checkpoint_file_problem
 
 HERE = Path(__file__).resolve()
 TENSORS, NUMEL = 50, 1_000_000  # 50 x 4 MB: the kill test's 200 MB checkpoint
@@ -78,8 +77,8 @@ def mode(request, monkeypatch):
     """Both ways of writing: an anonymous O_TMPFILE file of the destination's folder (where the filesystem has
     one), and a hidden named temporary file beside the destination."""
     if request.param == "named":
-        monkeypatch.setattr(checkpoint_io, "_USE_TMPFILE", False)
-    elif not checkpoint_io._USE_TMPFILE:
+        monkeypatch.setattr(atomic_checkpoint, "_USE_TMPFILE", False)
+    elif not atomic_checkpoint._USE_TMPFILE:
         pytest.skip("no O_TMPFILE on this platform")
     return request.param
 
@@ -159,7 +158,7 @@ def test_storage_options_are_refused_and_a_remote_url_goes_to_lightning(tmp_path
 
 
 def test_stale_temporary_files_of_dead_processes_go_at_the_next_save(tmp_path):
-    dead, host = _dead_pid(), checkpoint_io._HOST
+    dead, host = _dead_pid(), atomic_checkpoint._HOST
     stale_file = tmp_path / f".epoch=0-step=3.ckpt.tmp-{dead}@{host}-0123abcd"
     stale_dir = tmp_path / f".last.ckpt.tmp-{dead}@{host}-89abcdef"
     alive = tmp_path / f".last.ckpt.tmp-{os.getpid()}@{host}-00000000"  # a save in progress: kept
@@ -177,7 +176,7 @@ def test_a_swap_cut_between_its_two_renames_is_undone_by_the_next_save(tmp_path)
     """The fallback swap of folders (no renameat2): a kill between its renames leaves the old checkpoint under
     ``.last.ckpt.old-...`` and no last.ckpt; the check says so, and the next save into the folder renames it back
     before writing (here a step file: last.ckpt is back, as it was)."""
-    old = tmp_path / f".last.ckpt.old-{_dead_pid()}@{checkpoint_io._HOST}-0123abcd"
+    old = tmp_path / f".last.ckpt.old-{_dead_pid()}@{atomic_checkpoint._HOST}-0123abcd"
     old.mkdir()
     (old / "meta.pt").write_bytes(b"old")
     with pytest.raises(FileNotFoundError, match=r"does not exist \(a save was cut off while swapping it in: the "
@@ -197,7 +196,7 @@ def _folder(path: Path, tag: str) -> Path:
 @pytest.mark.parametrize("exchange", [True, False])
 def test_replace_path_swaps_folders_and_files_whole(tmp_path, monkeypatch, exchange):
     if not exchange:
-        monkeypatch.setattr(checkpoint_io, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(atomic_checkpoint, "_exchange", lambda a, b: False)
     target = tmp_path / "last.ckpt"
     _folder(Path(staging_path(target)), "1")
     replace_path(next(tmp_path.glob(".last.ckpt.tmp-*")), target)  # onto nothing
@@ -495,7 +494,7 @@ def test_cli_subcommands_refuse_a_damaged_ckpt_path_with_one_line(where, tmp_pat
 def _writer(dest: str, mode: str) -> None:
     """The process the kill tests interrupt: saves the NEW 200 MB checkpoint over ``dest``, then says so."""
     if mode == "named":
-        checkpoint_io._USE_TMPFILE = False
+        atomic_checkpoint._USE_TMPFILE = False
     new = _ckpt(1, TENSORS, NUMEL)
     print("writing", flush=True)
     if mode == "lightning":

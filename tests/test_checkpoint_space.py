@@ -27,17 +27,11 @@ import torch
 from test_checkpoint_atomic import NO_VALIDATION, _ckpt, _load, _same, _trainer
 from test_checkpoint_atomic import mode  # noqa: F401 (a fixture: both ways of writing a file)
 
-from rloo_lightning import checkpoint_io
 from rloo_lightning.callbacks import FinalCheckpoint
 from rloo_lightning.callbacks import checkpoint as final
-from rloo_lightning.checkpoint_io import (
-    MB,
-    AtomicCheckpointIO,
-    NoSpaceError,
-    check_checkpoint_path,
-    optimizer_state_ratio,
-    storage_bytes,
-)
+from rloo_lightning.runtime import atomic_checkpoint
+from rloo_lightning.runtime.atomic_checkpoint import MB, AtomicCheckpointIO, NoSpaceError, storage_bytes
+from rloo_lightning.runtime.checkpoint_check import check_checkpoint_path, optimizer_state_ratio
 
 HERE = Path(__file__).resolve()
 HINT = "free some space or write checkpoints elsewhere (trainer.default_root_dir)"
@@ -175,7 +169,7 @@ def small_tmpfs(tmp_path):
 @pytest.mark.parametrize("tmpfile", [True, False])
 def test_a_real_full_filesystem(small_tmpfs, monkeypatch, tmpfile):
     """No simulation: a 1.6 MB last.ckpt, then a 2 MB one on a 3 MB filesystem (torch's own error underneath)."""
-    monkeypatch.setattr(checkpoint_io, "_USE_TMPFILE", tmpfile and checkpoint_io._USE_TMPFILE)
+    monkeypatch.setattr(atomic_checkpoint, "_USE_TMPFILE", tmpfile and atomic_checkpoint._USE_TMPFILE)
     dest = small_tmpfs / "checkpoints" / "last.ckpt"
     old, new = _ckpt(0, tensors=4, numel=100_000), _ckpt(1, tensors=5, numel=100_000)
     AtomicCheckpointIO().save_checkpoint(old, dest)

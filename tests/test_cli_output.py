@@ -20,7 +20,8 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from cli_harness import CONFIGS, make_env, run_cli, start_cli, wait_all
 from rloo_lightning.callbacks import StepProgressBar
-from rloo_lightning.cli import RLOOCLI, TRACEBACK_ENV, _quiet_third_party, error_line, main
+from rloo_lightning.cli import RLOOCLI, TRACEBACK_ENV, _quiet_third_party, main
+from rloo_lightning.cli_errors import error_line
 
 QUICKSTART = str(CONFIGS / "quickstart.yaml")
 TIP_LOGGER = "💡 Tip: For seamless cloud logging and experiment tracking, try installing litlogger"

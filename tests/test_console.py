@@ -1,5 +1,6 @@
 """The console in a log file: plain progress lines at a steady rate, warnings and errors on lines of their own, and
-a last line naming where the run's files went (``rloo_lightning.callbacks.progress``, ``rloo_lightning.console``).
+a last line naming where the run's files went (``rloo_lightning.callbacks.progress``,
+``rloo_lightning.runtime.console``).
 
 Fast tests drive the line bars with a fake clock and a real (tiny) Lightning fit; the slow ones run the command
 with its output redirected to a file, as on a cluster (stdout and stderr in one file, like ``> log 2>&1``).
@@ -21,7 +22,7 @@ from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from cli_harness import CLI, CONFIGS, Proc, make_env, wait_all
-from rloo_lightning import console
+from rloo_lightning.runtime import console
 from rloo_lightning.callbacks.progress import (
     EvaluationProgress,
     LineBar,

@@ -9,7 +9,7 @@ import torch
 
 from module_helpers import PROMPTS, configured_module, prompt_batch
 from rloo_lightning.config import CorrectionArgs
-from rloo_lightning.correction import importance_weights, mismatch_sums, weighted_advantages
+from rloo_lightning.algo.correction import importance_weights, mismatch_sums, weighted_advantages
 from rloo_lightning.engines import HFGenerateEngine
 
 # two sequences of 3 tokens; the second has 2 (its last position is padding)
@@ -97,7 +97,7 @@ def test_engine_logprobs_are_those_of_the_distribution_it_sampled(tiny_model_dir
 
 
 def _logprobs_at(module, rollout, temperature):
-    from rloo_lightning.logprobs import sequence_logprobs
+    from rloo_lightning.forward import sequence_logprobs
 
     return sequence_logprobs(module.policy, rollout, slice(None), temperature, False)[0]
 
@@ -170,7 +170,7 @@ def test_an_engine_returning_misshapen_logprobs_is_named(tiny_model_dir):
 
 def test_a_correction_needs_an_engine_that_reports_logprobs_to_train(tiny_model_dir):
     from rloo_lightning import RLOOModule
-    from rloo_lightning.exactness import TableSampler, make_toy, toy_batch, toy_module
+    from rloo_lightning.verify.exactness import TableSampler, make_toy, toy_batch, toy_module
 
     module = RLOOModule(tiny_model_dir, rewards={"funcs": ["rloo_lightning.tasks.reverse.reward"]},
                         correction={"level": "sequence"})

@@ -198,7 +198,7 @@ def test_unsupported_extension_raises(tiny_model_dir, tmp_path):
 def test_a_byte_that_is_not_utf8_is_named_by_file_line_and_column(tmp_path, suffix, line):
     """Latin-1 in row 40 (a header or '[' line first in .csv/.json), far past the codec's first chunk: the error
     names the line an editor shows, not the codec's byte offset; the CLI prints it as one line."""
-    from rloo_lightning.cli import error_line
+    from rloo_lightning.cli_errors import error_line
 
     path = tmp_path / f"latin1{suffix}"
     rows = [{"prompt": f"row {i}="} for i in range(1, 201)]

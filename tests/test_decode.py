@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-from rloo_lightning.decode import DecodeLoopEngine, plain_sampling, sample_from_logits
-from rloo_lightning.logprobs import completion_mask, sequence_logprobs
+from rloo_lightning.engines.decode import DecodeLoopEngine, plain_sampling, sample_from_logits
+from rloo_lightning.algo.logprobs import completion_mask
+from rloo_lightning.forward import sequence_logprobs
 from rloo_lightning.rollout import Rollout, sampling_config
 
 VOCAB, PAD, EOS = 40, 0, 1
@@ -118,14 +119,14 @@ def test_what_it_does_not_implement_goes_to_generate(monkeypatch):
 
 def test_the_module_samples_with_it_by_default(tiny_model_dir):
     from rloo_lightning import RLOOModule
-    from rloo_lightning.decode import DecodeLoopEngine as Default
+    from rloo_lightning.engines.decode import DecodeLoopEngine as Default
 
     module = RLOOModule(tiny_model_dir, rewards={"funcs": ["tests.reward_helpers.length_reward"]})
     assert isinstance(module.engine, Default)
 
 
 def test_chunked_head_is_the_head_and_is_removed_after_generation():
-    from rloo_lightning.decode import HEAD_CHUNK, _chunked_head
+    from rloo_lightning.engines.decode import HEAD_CHUNK, _chunked_head
 
     head = torch.nn.Linear(8, HEAD_CHUNK * 2 + 5, bias=True)
     x = torch.randn(3, 1, 8)

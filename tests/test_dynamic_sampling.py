@@ -13,7 +13,7 @@ from rloo_lightning import RLOOModule
 from rloo_lightning.callbacks import RolloutHook
 from rloo_lightning.data import PromptDataModule
 from rloo_lightning.rollout import Rollout, concat_groups
-from rloo_lightning.advantages import informative_groups
+from rloo_lightning.algo.advantages import informative_groups
 
 BATCH, K = 4, 4
 

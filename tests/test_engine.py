@@ -81,7 +81,7 @@ def test_engine_resyncs_only_after_optimizer_steps(tiny_model_dir):
 
 
 def test_default_engine_is_the_decode_loop_and_seeded(tiny_model_dir):
-    from rloo_lightning.decode import DecodeLoopEngine
+    from rloo_lightning.engines.decode import DecodeLoopEngine
 
     module = RLOOModule(tiny_model_dir, rewards={"funcs": [REWARD]}, sampling={"k": 2, "max_new_tokens": 6})
     module.configure_model()

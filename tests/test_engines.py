@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from module_helpers import configured_module, prompt_batch
-from rloo_lightning import engines
-from rloo_lightning.engines import ReducedPrecisionEngine, cpu_supports_bf16
-from rloo_lightning.logprobs import sequence_logprobs
+from rloo_lightning.engines import ReducedPrecisionEngine, cpu_supports_bf16, reduced_precision
+from rloo_lightning.forward import sequence_logprobs
 
 needs_bf16 = pytest.mark.skipif(not cpu_supports_bf16(), reason="this CPU has no native bf16")
 
@@ -58,7 +57,7 @@ def test_copy_is_refreshed_once_after_each_optimizer_step(tiny_model_dir):
 def test_unsupported_setups_fail_at_setup_with_the_option_named(monkeypatch):
     with pytest.raises(RuntimeError, match="dtype=float16.*for GPUs"):
         ReducedPrecisionEngine("float16").check(torch.device("cpu"))
-    monkeypatch.setattr(engines, "cpu_supports_bf16", lambda: False)
+    monkeypatch.setattr(reduced_precision, "cpu_supports_bf16", lambda: False)
     with pytest.raises(RuntimeError, match="this CPU has no native bf16"):
         ReducedPrecisionEngine("bfloat16").check(torch.device("cpu"))
     with pytest.raises(ValueError, match="dtype must be one of"):

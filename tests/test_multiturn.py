@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from rloo_lightning.environments import EnvStep, Environment, Message
-from rloo_lightning.multiturn import Episode, EpisodeError, TurnFormat, assemble_transcripts, run_episodes
-from rloo_lightning.tiny_models import build_char_tokenizer
+from rloo_lightning.environments.calls import EpisodeError
+from rloo_lightning.environments.episodes import LiveEpisode, assemble_transcripts, run_episodes
+from rloo_lightning.environments.turns import TurnFormat
+from rloo_lightning.models.tiny import build_char_tokenizer
 
 CHAT = ("{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}<e>{% endfor %}"
         "{% if add_generation_prompt %}<a>{% endif %}")
@@ -93,7 +95,7 @@ def test_policy_tokens_are_kept_exactly_and_only_markers_and_replies_are_appende
     turn0 = ["h|ab<e>", "cd<e>"]  # row 0 writes a reasoning part that REWRITING would drop on re-render
     turn1 = ["ba<e>", "dc<e>"]
     calls = []
-    episodes = [Episode(Scripted(turns=2)) for _ in range(2)]
+    episodes = [LiveEpisode(Scripted(turns=2)) for _ in range(2)]
     run_episodes(_scripted_generate(tok, [turn0, turn1], calls), tok, prompt_ids, prompt_mask, episodes, fmt,
                  [eos], max_new_tokens=8, max_turns=4, max_context=None, where=["row 0", "row 1"])
     # Turn 1's context: the prompt, turn 0 exactly as sampled, then the reply's ids; nothing re-rendered.
@@ -120,7 +122,7 @@ def test_a_turn_ended_by_a_second_end_token_gets_the_templates_closing_after_it(
     fmt = TurnFormat.from_tokenizer(tok)
     prompt_ids, prompt_mask = _prompts(tok, ["ab=", "ab="])
     calls = []
-    episodes = [Episode(Scripted(turns=2)) for _ in range(2)]
+    episodes = [LiveEpisode(Scripted(turns=2)) for _ in range(2)]
     run_episodes(_scripted_generate(tok, [["a<x>", "b<e>"], ["c<e>", "d<e>"]], calls), tok, prompt_ids, prompt_mask,
                  episodes, fmt, eos, max_new_tokens=8, max_turns=4, max_context=None, where=["row 0", "row 1"])
     ctx, mask, _ = calls[1]
@@ -136,7 +138,7 @@ def test_max_turns_context_and_max_new_tokens_cut_episodes_with_a_flag():
     prompt_ids, prompt_mask = _prompts(tok, ["ab=", "ab=", "ab="])
     turns = [["a<e>", "abcdefgh", "a<e>"], ["b<e>", "b<e>", "b<e>"], ["c<e>"] * 3]
     calls = []
-    episodes = [Episode(Scripted(turns=10)) for _ in range(3)]
+    episodes = [LiveEpisode(Scripted(turns=10)) for _ in range(3)]
     # row 2's context budget: prompt 4 + turn 2 + reply 4 + 8 new tokens > 17 before its second turn
     run_episodes(_scripted_generate(tok, turns, calls), tok, prompt_ids, prompt_mask, episodes, fmt, [eos],
                  max_new_tokens=8, max_turns=2, max_context=18, where=["r0", "r1", "r2"])
@@ -144,7 +146,7 @@ def test_max_turns_context_and_max_new_tokens_cut_episodes_with_a_flag():
         (True, "max_turns", 2), (True, "max_new_tokens", 1), (True, "max_turns", 2)]
     # the last turn's reply is not appended: nothing follows it
     assert episodes[0].segments[-1][1] is True
-    budget = [Episode(Scripted(turns=10))]
+    budget = [LiveEpisode(Scripted(turns=10))]
     run_episodes(_scripted_generate(tok, turns, []), tok, prompt_ids[:1], prompt_mask[:1], budget, fmt, [eos],
                  max_new_tokens=8, max_turns=5, max_context=17, where=["r0"])
     assert (budget[0].truncated, budget[0].cut_by, budget[0].turns) == (True, "context", 1)
@@ -156,7 +158,7 @@ def test_finished_episodes_drop_out_of_the_next_turn():
     fmt = TurnFormat.from_tokenizer(tok)
     prompt_ids, prompt_mask = _prompts(tok, ["ab=", "c=", "d="])
     calls = []
-    episodes = [Episode(Scripted(turns=n)) for n in (1, 3, 2)]
+    episodes = [LiveEpisode(Scripted(turns=n)) for n in (1, 3, 2)]
     run_episodes(_scripted_generate(tok, [["a<e>"] * 3] * 3, calls), tok, prompt_ids, prompt_mask, episodes, fmt,
                  [eos], max_new_tokens=4, max_turns=5, max_context=None, where=["r0", "r1", "r2"])
     assert [c[0].shape[0] for c in calls] == [3, 2, 1]
@@ -170,20 +172,21 @@ def test_an_environment_error_names_the_environment_the_row_and_the_turn():
     fmt = TurnFormat.from_tokenizer(tok)
     with pytest.raises(RuntimeError, match=r"environment Scripted failed on data.jsonl row 7, turn 1: KeyError"):
         run_episodes(_scripted_generate(tok, [["a<e>"]] * 3, []), tok, prompt_ids, prompt_mask,
-                     [Episode(Scripted(turns=3, fail_at=1))], fmt, [eos], 4, 3, None, ["data.jsonl row 7"])
+                     [LiveEpisode(Scripted(turns=3, fail_at=1))], fmt, [eos], 4, 3, None, ["data.jsonl row 7"])
 
     class Wrong(Scripted):
         def step(self, turn):
             return 1.0
 
     with pytest.raises(EpisodeError, match=r"Wrong.step returned float on r0, turn 0; it must return an EnvStep"):
-        run_episodes(_scripted_generate(tok, [["a<e>"]], []), tok, prompt_ids, prompt_mask, [Episode(Wrong())], fmt,
+        run_episodes(_scripted_generate(tok, [["a<e>"]], []), tok, prompt_ids, prompt_mask, [LiveEpisode(Wrong())], fmt,
                      [eos], 4, 1, None, ["r0"])
 
 
 def test_a_transcripts_log_probs_reach_its_last_policy_token_past_the_environments_tokens():
-    from rloo_lightning.logprobs import completion_logits, mask_width
-    from rloo_lightning.tiny_models import build_tiny_llama
+    from rloo_lightning.algo.logprobs import mask_width
+    from rloo_lightning.forward import completion_logits
+    from rloo_lightning.models.tiny import build_tiny_llama
 
     assert mask_width(torch.tensor([[1.0, 1, 0, 0, 0], [1, 0, 0, 1, 0]])) == 4
     assert mask_width(torch.zeros(2, 3)) == 1

@@ -15,9 +15,12 @@ from module_helpers import prompt_batch, retain_policy_logprobs
 from rloo_lightning import RLOOModule
 from rloo_lightning.callbacks import SampleLogger
 from rloo_lightning.data import collate_prompts
-from rloo_lightning.multiturn import Episode, EpisodeError, EpisodeWarning, TurnFormat, run_episodes
+from rloo_lightning.environments.calls import EpisodeError
+from rloo_lightning.environments.episodes import LiveEpisode, run_episodes
+from rloo_lightning.environments.sampler import EpisodeWarning
+from rloo_lightning.environments.turns import TurnFormat
 from rloo_lightning.rollout import concat_groups, derive_seed
-from rloo_lightning.tiny_models import build_char_tokenizer, build_tiny_llama
+from rloo_lightning.models.tiny import build_char_tokenizer, build_tiny_llama
 
 GUESS = "rloo_lightning.environments.guess.GuessEnvironment"
 NOISY = "multiturn_helpers.Noisy"
@@ -273,7 +276,7 @@ def test_ranks_that_share_every_forward_take_part_in_every_turn():
 
     from multiturn_helpers import Noisy
 
-    episodes = [Episode(Noisy(turns=1)) for _ in range(2)]
+    episodes = [LiveEpisode(Noisy(turns=1)) for _ in range(2)]
     for ep in episodes:
         ep.env.reset({}, 0)
     others = iter([True, True, True, False])  # another rank plays 3 turns
@@ -318,7 +321,7 @@ def test_dynamic_sampling_keeps_the_episode_fields(guess_model):
 
 
 def test_an_engine_that_reports_log_probs_gives_them_for_the_policy_tokens(guess_model):
-    from rloo_lightning.decode import DecodeLoopEngine
+    from rloo_lightning.engines.decode import DecodeLoopEngine
 
     tok, model = guess_model
     m = RLOOModule("x", rewards={}, environment=GUESS_ENV, sampling={"k": 4, "max_new_tokens": 6},

@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from rloo_lightning.advantages import leave_one_out_advantages
-from rloo_lightning.kl import fold_kl
-from rloo_lightning.logprobs import completion_mask, masked_sum, token_entropy, token_logprobs
-from rloo_lightning.losses import PolicyLoss, aggregate_token_loss
+from rloo_lightning.algo.advantages import leave_one_out_advantages
+from rloo_lightning.algo.kl import fold_kl
+from rloo_lightning.algo.logprobs import completion_mask, masked_sum, token_entropy, token_logprobs
+from rloo_lightning.algo.losses import PolicyLoss, aggregate_token_loss
 
 nan = float("nan")
 
@@ -340,7 +340,7 @@ def test_policy_loss_ignores_nonfinite_logp_at_masked_positions():
 def test_default_chunks_are_bounded_by_elements_not_rows(monkeypatch):
     """The default chunk holds CHUNK_ELEMENTS fp32 values whatever the vocabulary; results and gradients are
     those of the unchunked computation."""
-    from rloo_lightning import logprobs
+    from rloo_lightning.algo import logprobs
 
     assert logprobs._chunk_rows(None, 49152) == (1 << 24) // 49152 == 341
     assert logprobs._chunk_rows(None, 151936) == 110 and logprobs._chunk_rows(None, 1 << 30) == 1

@@ -101,7 +101,7 @@ def test_a_learning_rate_on_the_command_line_is_named_as_given(no_model, capsys,
 
 
 def test_check_learning_rate():
-    from rloo_lightning.config import check_learning_rate
+    from rloo_lightning.options import check_learning_rate
 
     for good in (1e-6, 1, 0.5):
         check_learning_rate(good, "x.lr")

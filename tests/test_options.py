@@ -99,15 +99,15 @@ def test_unknown_field_names_the_group_and_the_closest_field():
 
 def test_registry_options_take_their_tables_names():
     # Each option backed by a registry accepts exactly the table's names, and each name runs.
-    from rloo_lightning.advantages import BASELINES, baseline_advantages, MovingAverageBaseline
-    from rloo_lightning.config import _choices
-    from rloo_lightning.kl import KL_ESTIMATORS, KL_PLACEMENTS, kl_per_token
-    from rloo_lightning.losses import AGGREGATION_MODES, aggregate_token_loss
+    from rloo_lightning.algo.advantages import BASELINES, baseline_advantages, MovingAverageBaseline
+    from rloo_lightning.options import literal_choices
+    from rloo_lightning.algo.kl import KL_ESTIMATORS, KL_PLACEMENTS, kl_per_token
+    from rloo_lightning.algo.losses import AGGREGATION_MODES, aggregate_token_loss
 
-    assert _choices(AdvantageArgs)["baseline"] == tuple(BASELINES)
-    assert _choices(KLArgs)["estimator"] == tuple(KL_ESTIMATORS)
-    assert _choices(KLArgs)["placement"] == KL_PLACEMENTS
-    assert _choices(UpdateArgs)["loss_aggregation"] == tuple(AGGREGATION_MODES)
+    assert literal_choices(AdvantageArgs)["baseline"] == tuple(BASELINES)
+    assert literal_choices(KLArgs)["estimator"] == tuple(KL_ESTIMATORS)
+    assert literal_choices(KLArgs)["placement"] == KL_PLACEMENTS
+    assert literal_choices(UpdateArgs)["loss_aggregation"] == tuple(AGGREGATION_MODES)
     rewards, logp, mask = torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([[-1.0, -2.0]]), torch.ones(1, 2)
     for name in BASELINES:
         out = baseline_advantages(rewards, 2, name, moving_average=MovingAverageBaseline())

@@ -1,7 +1,7 @@
 """The anchors' variants as RLOOModule options, each checked against its source's formula written out here.
 
 The formulas are spelled out with explicit loops over sequences and tokens (not through
-``rloo_lightning.kl`` / ``advantages`` / ``losses``), on a real rollout of the tiny model, and compared with
+``rloo_lightning.algo.kl`` / ``advantages`` / ``losses``), on a real rollout of the tiny model, and compared with
 the module's advantages, loss value and gradient.
 """
 

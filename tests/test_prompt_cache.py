@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rloo_lightning.data import PromptDataModule, PromptRows, ResumableSampler
-from rloo_lightning.data.cache import held_out_count
+from rloo_lightning.data.validation_split import held_out_count
 
 
 def _write_jsonl(path, rows):

@@ -112,7 +112,7 @@ def test_the_vllm_pages_small_model_is_one_vllms_cpu_build_takes(tmp_path, monke
     model and tokenizer, has a head size vLLM's CPU attention supports, and its tokenizer writes the quickstart's
     prompts (which the page's fit trains it on) without an unknown token."""
     from rloo_lightning.models import load_causal_lm, load_tokenizer
-    from rloo_lightning.vllm_engine import CPU_HEAD_SIZES
+    from rloo_lightning.engines.vllm import CPU_HEAD_SIZES
 
     page = (REPO / "docs" / "vllm.md").read_text()
     (script,) = [b for b in _blocks("python", page) if b.startswith("# small_model.py")]

@@ -14,7 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from cli_harness import CONFIGS, entry_point, make_env, start_cli, wait_all
 from rloo_lightning.data import PromptDataModule, ResumableSampler
-from rloo_lightning.data.sampling import data_layout, layout_change
+from rloo_lightning.data.resume_layout import data_layout, layout_change
 
 QUICKSTART = str(CONFIGS / "quickstart.yaml")
 FINAL = "--trainer.callbacks+=rloo_lightning.callbacks.checkpoint.FinalCheckpoint"

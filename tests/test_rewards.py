@@ -30,7 +30,7 @@ from rloo_lightning.rewards import (  # noqa: E402
 )
 from rloo_lightning.rewards.builtin import ExactAnswer, LengthPenalty, RegexMatch, parse_number  # noqa: E402
 from rloo_lightning.rewards.model import RewardModel  # noqa: E402
-from rloo_lightning.rewards.shaping import clip_rewards, missing_eos_penalty, overlong_penalty  # noqa: E402
+from rloo_lightning.algo.shaping import clip_rewards, missing_eos_penalty, overlong_penalty  # noqa: E402
 
 NAN = float("nan")
 
@@ -125,7 +125,7 @@ def test_bad_specs_fail_at_construction(spec, message):
     ],
 )
 def test_an_unknown_reward_function_names_the_closest_one(spec, meant):
-    from rloo_lightning.cli import error_line
+    from rloo_lightning.cli_errors import error_line
 
     with pytest.raises(ValueError) as err:
         RewardSet.from_specs([spec])

@@ -409,7 +409,7 @@ def test_generation_path_dispatches_on_the_strategy_type(tiny_policy):
         SingleDeviceStrategy,
     )
 
-    from rloo_lightning.sharding import generation_path, is_zero3
+    from rloo_lightning.models.sharding import generation_path, is_zero3
 
     zero3 = _bare(DeepSpeedStrategy, config={"zero_optimization": {"stage": 3}})
     zero2 = _bare(DeepSpeedStrategy, config={"zero_optimization": {"stage": 2}})
@@ -429,7 +429,7 @@ def test_generation_path_dispatches_on_the_strategy_type(tiny_policy):
 
 
 def test_unsharded_generation_is_untouched(tiny_policy):
-    from rloo_lightning.sharding import gathered_for_generation
+    from rloo_lightning.models.sharding import gathered_for_generation
 
     ids = torch.tensor([[3, 4, 5]])
     kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
@@ -443,7 +443,7 @@ def test_unsharded_generation_is_untouched(tiny_policy):
 
 
 def test_decoder_layers_and_tensor_parallel_refused(tiny_policy):
-    from rloo_lightning.sharding import decoder_layers, shard_policy
+    from rloo_lightning.models.sharding import decoder_layers, shard_policy
 
     layers = decoder_layers(tiny_policy)
     assert [type(m).__name__ for m in layers] == ["LlamaDecoderLayer"] * 2
@@ -503,7 +503,7 @@ def _zero3_strategy_with_engine(policy, log: list):
 
 
 def test_zero3_generation_gathers_once_removes_hooks_and_passes_synced_gpus(monkeypatch, tiny_policy):
-    from rloo_lightning.sharding import gathered_for_generation
+    from rloo_lightning.models.sharding import gathered_for_generation
 
     log: list = []
     _fake_deepspeed(monkeypatch, log)
@@ -525,7 +525,7 @@ def test_zero3_generation_gathers_once_removes_hooks_and_passes_synced_gpus(monk
 
 
 def test_zero3_without_gathering_only_passes_synced_gpus(monkeypatch, tiny_policy):
-    from rloo_lightning.sharding import gathered_for_generation
+    from rloo_lightning.models.sharding import gathered_for_generation
 
     log: list = []
     _fake_deepspeed(monkeypatch, log)
@@ -546,7 +546,7 @@ def test_zero3_configure_model_loads_policy_partitioned_and_reference_whole(monk
     import transformers.integrations
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled, set_hf_deepspeed_config
 
-    import rloo_lightning.models as models
+    import rloo_lightning.models.loading as models
     from rloo_lightning.module import RLOOModule
 
     log: list = []
@@ -584,7 +584,7 @@ def test_other_strategies_configure_model_copies_the_reference(monkeypatch, tiny
 
     from lightning.pytorch.strategies import DDPStrategy
 
-    import rloo_lightning.models as models
+    import rloo_lightning.models.loading as models
     from rloo_lightning.module import RLOOModule
 
     loads = []
@@ -633,7 +633,7 @@ def _helper_fit(model_dir: str, out: Path, strategy_name: str, steps: int,
     from rloo_lightning.data import PromptDataModule
     from rloo_lightning.module import RLOOModule
     from rloo_lightning.rollout import generate_rollout
-    from rloo_lightning.sharding import gathered_for_generation, generation_path
+    from rloo_lightning.models.sharding import gathered_for_generation, generation_path
 
     out.mkdir(parents=True, exist_ok=True)
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-from rloo_lightning.logprobs import can_share_prompt, completion_logits, sequence_logprobs, token_logprobs
+from rloo_lightning.algo.logprobs import token_logprobs
+from rloo_lightning.forward import can_share_prompt, completion_logits, sequence_logprobs
 from rloo_lightning.rollout import Rollout
 
 VOCAB, PAD = 50, 0
@@ -136,7 +137,7 @@ def test_unequal_prompts_within_a_group_or_checkpointing_are_not_shared():
 
 
 def test_prompt_groups_is_the_run_length_gcd():
-    from rloo_lightning.engines import prompt_groups
+    from rloo_lightning.engines.hf_generate import prompt_groups
 
     ids = torch.tensor([[1, 2], [1, 2], [3, 4], [3, 4], [3, 4], [3, 4]])
     mask = torch.ones_like(ids)
@@ -172,7 +173,7 @@ def test_shared_prefill_samples_what_the_plain_prefill_samples(config):
     assert shapes[True][:2] == [(n, P - 1), (n * rollout.k, 1)]  # each prompt once, then only its last column
     (plain_ids, plain_logp), (ids, logp) = outs[False], outs[True]
     assert torch.equal(ids, plain_ids)
-    from rloo_lightning.logprobs import completion_mask
+    from rloo_lightning.algo.logprobs import completion_mask
 
     mask = completion_mask(ids, [1])
     torch.testing.assert_close(logp * mask, plain_logp * mask, atol=1e-5, rtol=0)
@@ -215,7 +216,7 @@ def test_update_share_prompt_option_decides_the_update_forwards(tiny_model_dir, 
 
 def test_share_prompt_auto_weighs_the_saved_compute():
     from rloo_lightning.config import UpdateArgs
-    from rloo_lightning.logprobs import worth_sharing
+    from rloo_lightning.forward import worth_sharing
 
     assert worth_sharing(134_515_008, 4, 4 * 34)  # SmolLM2-135M at the benchmark's shape
     assert not worth_sharing(100_000, 4, 16 * 6)  # a tiny model

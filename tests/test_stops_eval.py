@@ -12,7 +12,7 @@ from transformers import GenerationConfig
 from rloo_lightning.data import collate_prompts
 from rloo_lightning.models import build_char_tokenizer, build_tiny_llama, load_causal_lm, load_tokenizer
 from rloo_lightning.module import RLOOModule
-from rloo_lightning.logprobs import completion_mask
+from rloo_lightning.algo.logprobs import completion_mask
 from rloo_lightning.metrics import pass_at_k
 from rloo_lightning.rollout import default_eos_ids, generate_rollout, sampling_config, stop_string_ends
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rloo_lightning.threads import choose_threads, use_threads
+from rloo_lightning.runtime.threads import choose_threads, use_threads
 
 
 def test_the_affinity_is_shared_by_the_processes_of_the_node():

@@ -14,7 +14,7 @@ from lightning.pytorch import Trainer
 from rloo_lightning.data import PromptDataModule
 from rloo_lightning.module import RLOOModule
 from rloo_lightning.callbacks.step_timer import StepTimer
-from rloo_lightning.timing import PhaseTimer
+from rloo_lightning.runtime.timing import PhaseTimer
 
 
 def test_disabled_phase_timer_is_a_shared_noop():

@@ -14,7 +14,7 @@ from rloo_lightning.data import PromptDataModule, collate_prompts
 from rloo_lightning.environments import PolicyTurn
 from rloo_lightning.environments.tools import ToolEnvironment, calculator, parse_tool_call, tool_prompt, tool_schemas
 from rloo_lightning.engines import GenerationEngine
-from rloo_lightning.tiny_models import build_char_tokenizer, build_tiny_llama
+from rloo_lightning.models.tiny import build_char_tokenizer, build_tiny_llama
 
 TOOLS = ["tool_helpers.add", "tool_helpers.divide", "tool_helpers.hang"]
 CALC = "rloo_lightning.environments.tools.calculator"

@@ -10,7 +10,8 @@ import re
 import pytest
 
 from rloo_lightning.environments.base import PolicyTurn
-from rloo_lightning.environments.tools import ERROR_KINDS, ToolEnvironment, _argument_error, calculator, tool_schema
+from rloo_lightning.environments.tools import ERROR_KINDS, ToolEnvironment, calculator, tool_schema
+from rloo_lightning.environments.tools.validation import argument_error
 
 CALC = "rloo_lightning.environments.tools.calculator"
 TOOLS = [f"tool_helpers.{name}" for name in ("add", "divide", "pick", "maybe", "either", "total", "colour", "shape",
@@ -79,10 +80,10 @@ def test_odd_schemas_never_make_the_argument_check_raise(schema):
 
     full = {"function": {"parameters": {"properties": {"a": schema}}}}
     for value in (1, "x", None, [1], {"k": 1}):
-        result = _argument_error(fn, full, {"a": value})
+        result = argument_error(fn, full, {"a": value})
         assert result is None or isinstance(result, str)
-    assert _argument_error(fn, {"function": {"parameters": {"properties": ["a"]}}}, {"a": 1}) is None
-    assert _argument_error(fn, {"function": []}, {"a": 1}) is None
+    assert argument_error(fn, {"function": {"parameters": {"properties": ["a"]}}}, {"a": 1}) is None
+    assert argument_error(fn, {"function": []}, {"a": 1}) is None
 
 
 # -- 2. union, optional, list and literal parameters ---------------------------------------------------------------

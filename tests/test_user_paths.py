@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rloo_lightning.importpath import add_cwd_to_sys_path, shadowing_files
+from rloo_lightning.runtime.importpath import add_cwd_to_sys_path, shadowing_files
 from rloo_lightning.models import context_length, load_causal_lm, load_tokenizer, resolve_model_path
 from rloo_lightning.rewards import RewardError, RewardSet, RewardWarning, resolve_reward
 
@@ -137,7 +137,7 @@ def hub_cache(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("loader", [load_tokenizer, load_causal_lm, context_length])
 def test_an_uncached_hub_id_offline_is_refused_before_transformers_looks_naming_it_and_the_cache(hub_cache, loader):
-    from rloo_lightning.cli import error_line
+    from rloo_lightning.cli_errors import error_line
 
     with pytest.raises(ValueError) as info:
         loader("SomeOrg/not-downloaded")
@@ -176,7 +176,7 @@ def test_a_model_folder_without_a_tokenizer_names_the_folder_and_the_files_it_la
     """Not transformers' text about sentencepiece and tiktoken: which folder, and which files a tokenizer has."""
     import shutil
 
-    from rloo_lightning.cli import error_line
+    from rloo_lightning.cli_errors import error_line
     from rloo_lightning.models import TOKENIZER_FILES
 
     folder = tmp_path / "model_only"

@@ -1,7 +1,7 @@
 """Parity variants (issue 10) and baselines (issue 11) against small hand-computed tensors.
 
 Every expected value is a literal worked out by hand in the comments next to it. The functions are
-those of the training path: ``rloo_lightning.kl``, ``losses``, ``advantages`` and ``rewards.shaping``.
+those of the training path: ``rloo_lightning.algo.kl``, ``losses``, ``advantages`` and ``shaping``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from rloo_lightning.advantages import (
+from rloo_lightning.algo.advantages import (
     AdvantageEstimator,
     MovingAverageBaseline,
     baseline_advantages,
@@ -21,14 +21,14 @@ from rloo_lightning.advantages import (
     leave_one_out_advantages,
     whiten,
 )
-from rloo_lightning.kl import kl_per_token, mix_into_reference, reward_to_go, token_rewards_after_baseline
-from rloo_lightning.losses import (
+from rloo_lightning.algo.kl import kl_per_token, mix_into_reference, reward_to_go, token_rewards_after_baseline
+from rloo_lightning.algo.losses import (
     PolicyLoss,
     aggregate_token_loss,
     sequence_clipped_surrogate,
     token_clipped_surrogate,
 )
-from rloo_lightning.rewards.shaping import clip_rewards
+from rloo_lightning.algo.shaping import clip_rewards
 
 nan = float("nan")
 f64 = torch.float64

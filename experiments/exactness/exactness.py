@@ -1,7 +1,7 @@
 """Exactness study of RLOOModule's training step: option variants x k x beta against the exact gradient.
 
 Every draw is ``-grad`` of ``RLOOModule.training_step``'s loss on the enumerable toy of
-``rloo_lightning/exactness.py`` (the module's own sampling masks, rewards, log-probs, KL, baseline
+``rloo_lightning/verify/exactness.py`` (the module's own sampling masks, rewards, log-probs, KL, baseline
 and loss); the z-test compares the draws' mean with the exact ``grad J``. Prints one JSON object (``--out``
 writes it too), then a markdown table. Reproduce this folder's README.md:
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from rloo_lightning.exactness import check_training_step, make_toy, perturbed_table
+from rloo_lightning.verify.exactness import check_training_step, make_toy, perturbed_table
 
 KS = (2, 4, 8)
 BETAS = (0.0, 0.1)

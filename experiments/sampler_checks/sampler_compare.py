@@ -46,7 +46,7 @@ def first_token_fit(module, batch, engines: dict, draws: int, chunk: int = 256) 
     """N first tokens per prompt from each engine against the exact tempered softmax (see the docstring)."""
     import torch
 
-    from rloo_lightning.logprobs import mask_positions
+    from rloo_lightning.algo.logprobs import mask_positions
     from rloo_lightning.rollout import sampling_config
 
     temperature = module.generation_config.temperature
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from rloo_lightning import RLOOModule
     from rloo_lightning.data import PromptDataModule
-    from rloo_lightning.decode import DecodeLoopEngine
+    from rloo_lightning.engines.decode import DecodeLoopEngine
     from rloo_lightning.engines import HFGenerateEngine
 
     torch.set_num_threads(args.threads)

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from benchmarks.bench_common import emit_json, train_rows
     from benchmarks.bench_trl import trl_dataset, trl_reward
-    from rloo_lightning.logprobs import completion_mask, mask_positions
+    from rloo_lightning.algo.logprobs import completion_mask, mask_positions
     from rloo_lightning.models import load_tokenizer
 
     h = _hyper()

@@ -65,7 +65,8 @@ def warm_start(hf_dir: str, out: Path, steps: int, batch: int, lr: float, call_f
 
     from rloo_lightning.data.encode import PromptEncoder
     from rloo_lightning.environments.tools import calculator, tool_schemas
-    from rloo_lightning.multiturn import Message, TurnFormat
+    from rloo_lightning.environments import Message
+    from rloo_lightning.environments.turns import TurnFormat
     from rloo_lightning.tasks.arithmetic import expression, make_rows
     from rloo_lightning.tasks.base import segments_nll
     from rloo_lightning.tasks.base import warm_start as train_supervised

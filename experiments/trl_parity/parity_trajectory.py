@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.bench_common import emit_json, reward_fn
     from benchmarks.bench_trl import trl_dataset, trl_reward
     from rloo_lightning.cli import main as cli_main
-    from rloo_lightning.decode import DecodeLoopEngine
-    from rloo_lightning.logprobs import completion_mask
+    from rloo_lightning.engines.decode import DecodeLoopEngine
+    from rloo_lightning.algo.logprobs import completion_mask
     from rloo_lightning.models import load_tokenizer
 
     workdir = Path(args.workdir).resolve()
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
               "--trainer.limit_val_batches", "0", "--trainer.enable_checkpointing", "false",
               "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
               "--seed_everything", s, "--model.sampling.seed", s, "--data.seed", s,
-              "--model.generation_engine", "rloo_lightning.decode.DecodeLoopEngine",
+              "--model.generation_engine", "rloo_lightning.engines.decode.DecodeLoopEngine",
               "--model.generation_engine.return_logprobs", "true",
               "--trainer.default_root_dir", str(work), "--trainer.callbacks+=parity_trajectory.Trajectory"])
     ours_s = time.perf_counter() - t0

@@ -6,8 +6,8 @@ estimator of the RLOO gradient, with and without the importance correction?
 A real (tiny, head size 32) Llama whose completions can be enumerated: a six-token vocabulary, two new tokens at
 most, three prompts. The exact objective J = mean_p sum_y pi_theta(y|p) r(p, y) (beta = 0) and its gradient by
 autograd over every completion; the sampled side is the module's training step with ``VLLMEngine`` sampling, ``-grad``
-of its loss one draw (the z-test of :mod:`rloo_lightning.exactness`, on the LM head's gradient). Cases: vLLM at the
-module's temperature (fp32: vLLM ~ pi_theta) without and with the default correction, and vLLM at another
+of its loss one draw (the z-test of :mod:`rloo_lightning.verify.exactness`, on the LM head's gradient). Cases: vLLM
+at the module's temperature (fp32: vLLM ~ pi_theta) without and with the default correction, and vLLM at another
 temperature (``sampler_temperature``, a known mismatch) without correction, with sequence weights uncapped
 (unbiased in theory) and with the default token-level weights capped at 2 (biased in theory). Prints one JSON
 object; ``--out`` writes it too.
@@ -88,10 +88,10 @@ def main() -> None:
     args = parser.parse_args()
     from rloo_lightning import RLOOModule
     from rloo_lightning.data import collate_prompts
-    from rloo_lightning.exactness import z_test
+    from rloo_lightning.verify.exactness import z_test
     from rloo_lightning.rollout import derive_seed
-    from rloo_lightning.tiny_models import build_char_tokenizer, build_tiny_llama
-    from rloo_lightning.vllm_engine import VLLMEngine
+    from rloo_lightning.models.tiny import build_char_tokenizer, build_tiny_llama
+    from rloo_lightning.engines.vllm import VLLMEngine
 
     tok = build_char_tokenizer("ab", model_max_length=16)  # <pad> <bos> <eos> <unk> a b
     model = build_tiny_llama(tok, hidden_size=64, num_layers=1, num_heads=2, max_position_embeddings=16, seed=3)

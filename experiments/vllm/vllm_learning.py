@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmarks.bench_common import emit_json  # noqa: E402
 
-ENGINES = {"default": [], "vllm": ["--model.generation_engine", "rloo_lightning.vllm_engine.VLLMEngine"]}
+ENGINES = {"default": [], "vllm": ["--model.generation_engine", "rloo_lightning.engines.vllm.VLLMEngine"]}
 
 
 def _val_rewards(log_dir: Path) -> dict[int, float]:

@@ -6,7 +6,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torchmetrics import MeanMetric
 
-from rloo_lightning import stop
+from rloo_lightning.runtime import sigterm
 from rloo_lightning.callbacks.progress import EvaluationProgress
 
 __all__ = ["RolloutHook", "ValidateAtStart"]
@@ -59,7 +59,7 @@ class ValidateAtStart(Callback):
             for batch_idx, batch in enumerate(loader):
                 if batch_idx >= num_batches:
                     break
-                stop.between_batches(trainer, "validation")
+                sigterm.between_batches(trainer, "validation")
                 batch = pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
                 for name, values in pl_module.evaluate_batch(batch, batch_idx).items():
                     means.setdefault(name, MeanMetric(nan_strategy="ignore").to(pl_module.device)).update(values)

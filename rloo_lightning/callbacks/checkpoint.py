@@ -13,8 +13,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from rloo_lightning import stop
-from rloo_lightning.checkpoint_io import (
+from rloo_lightning.runtime import sigterm
+from rloo_lightning.runtime.atomic_checkpoint import (
     MB,
     NoSpaceError,
     atomic_copy,
@@ -22,12 +22,12 @@ from rloo_lightning.checkpoint_io import (
     install_atomic_checkpoint_io,
     nearest_existing,
     no_space_error,
-    optimizer_state_ratio,
     remove_stale_temps,
     replace_path,
     saves_a_folder,
     staging_path,
 )
+from rloo_lightning.runtime.checkpoint_check import optimizer_state_ratio
 
 __all__ = ["FinalCheckpoint"]
 
@@ -36,8 +36,8 @@ LAST = "last.ckpt"
 
 class FinalCheckpoint(Callback):
     """Write ``last.ckpt`` when fit ends, when it is stopped by SIGTERM (preemption: the process then exits with
-    status 143) or Ctrl-C (status 130; :mod:`rloo_lightning.stop`), and every ``every_n_steps`` optimizer steps,
-    beside the checkpoints.
+    status 143) or Ctrl-C (status 130; :mod:`rloo_lightning.runtime.sigterm`), and every ``every_n_steps`` optimizer
+    steps, beside the checkpoints.
 
     Lightning's ``ModelCheckpoint`` saves on its own triggers only: with validation off, or a ``max_steps``
     that ``val_check_interval`` does not divide, the steps after its last trigger are lost. This callback
@@ -116,9 +116,9 @@ class FinalCheckpoint(Callback):
             self.check_space(trainer, pl_module)
 
     def check_space(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Raise :class:`~rloo_lightning.checkpoint_io.NoSpaceError` (one line: the folder, the estimate, the free
-        space) when the filesystem of the checkpoint folder has less free space than the checkpoints of this fit
-        need at once.
+        """Raise :class:`~rloo_lightning.runtime.atomic_checkpoint.NoSpaceError` (one line: the folder, the estimate,
+        the free space) when the filesystem of the checkpoint folder has less free space than the checkpoints of
+        this fit need at once.
 
         One checkpoint: :func:`checkpoint_bytes` (a lower bound). At once: ``last.ckpt``, the files each
         ``ModelCheckpoint`` on the same filesystem keeps (``save_top_k``, at least 1; its own ``save_last`` file
@@ -151,7 +151,7 @@ class FinalCheckpoint(Callback):
         self._refresh_after_resume(trainer, target)
 
     def _keep_boundary(self, trainer: Trainer, pl_module: LightningModule, where: str) -> None:
-        """The state a stop at this step's end saves, for a SIGTERM inside the next step (stop.py): what a step
+        """The state a stop at this step's end saves, for a SIGTERM inside the next step (sigterm.py): what a step
         changes before its optimizer step (the weights, optimizer and schedulers change only there)."""
         if trainer.global_step > 0 and self._enabled(trainer):
             self._boundary = _boundary_state(trainer, pl_module, where)
@@ -183,11 +183,11 @@ class FinalCheckpoint(Callback):
             self._save(trainer)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        # Preempted: SIGTERMException on every rank together (stop.py decides where), so the steps since the last
+        # Preempted: SIGTERMException on every rank together (sigterm.py decides where), so the steps since the last
         # checkpoint are kept as a resumable last.ckpt.
         if not isinstance(exception, SIGTERMException) or not self._enabled(trainer) or trainer.global_step == 0:
             return
-        if stop.aborted_step():  # stopped inside a step: its start's state, as a stop at the step before writes
+        if sigterm.aborted_step():  # stopped inside a step: its start's state, as a stop at the step before writes
             if self._saved_step != trainer.global_step and self._boundary is not None:
                 pl_module._checkpoint_rewind = self._boundary
                 try:
@@ -197,7 +197,7 @@ class FinalCheckpoint(Callback):
         elif not self._last_is_current(trainer):
             self._save(trainer)
         path = self.last_path(trainer)
-        rank_zero_info(f"stopped by {stop.signal_name()} after step {trainer.global_step}; {path} holds that step: "
+        rank_zero_info(f"stopped by {sigterm.signal_name()} after step {trainer.global_step}; {path} holds that step: "
                        f"resume with --ckpt_path {path}")
 
     def _last_is_current(self, trainer: Trainer) -> bool:
@@ -225,15 +225,15 @@ class FinalCheckpoint(Callback):
         """Write ``last.ckpt`` so that a kill at any moment leaves the previous one or this one.
 
         Every rank: a collective under DDP / FSDP. A full checkpoint (optimizer, loops, callbacks): resumable.
-        A file goes through :class:`~rloo_lightning.checkpoint_io.AtomicCheckpointIO` (installed here if the
+        A file goes through :class:`~rloo_lightning.runtime.atomic_checkpoint.AtomicCheckpointIO` (installed here if the
         strategy still has Lightning's default IO: a trainer made outside the CLI). A folder (a sharded
         strategy's: it bypasses the checkpoint IO) is saved under a hidden name beside ``last.ckpt`` and swapped
         in by global rank 0 once every rank has written its shards.
         """
         target = self.last_path(trainer)
         install_atomic_checkpoint_io(trainer.strategy)
-        before = stop.phase()
-        stop.set_phase("saving")  # a SIGTERM during the write waits for it
+        before = sigterm.phase()
+        sigterm.set_phase("saving")  # a SIGTERM during the write waits for it
         try:
             if saves_a_folder(trainer.strategy) and _is_local(target):
                 staged = trainer.strategy.broadcast(staging_path(target))  # rank 0's name, the same on every rank
@@ -253,7 +253,7 @@ class FinalCheckpoint(Callback):
             else:
                 trainer.save_checkpoint(target, weights_only=False)
         finally:
-            stop.set_phase(before)
+            sigterm.set_phase(before)
         self._saved_step = trainer.global_step
 
     def _refresh_after_resume(self, trainer: Trainer, target: str, collective: bool = True) -> None:
@@ -449,6 +449,6 @@ def _atomic_copy(source: str, target: str) -> None:
     The copy is staged beside ``target`` (a hidden ``.last.ckpt.tmp-...`` name; never in ``$TMPDIR``, which
     may be another filesystem, where a move is a copy again) and renamed over it: a kill leaves the old
     ``target`` or the whole copy. A symlink ``target`` (``save_last="link"``) is replaced, not the file it
-    points to. See :func:`rloo_lightning.checkpoint_io.atomic_copy`.
+    points to. See :func:`rloo_lightning.runtime.atomic_checkpoint.atomic_copy`.
     """
     atomic_copy(source, target)

@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
-from rloo_lightning.advantages import informative_groups
+from rloo_lightning.algo.advantages import informative_groups
 from rloo_lightning.callbacks.base import RolloutHook
 from rloo_lightning.metrics import log_step_metrics
 

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from rloo_lightning import stop
+from rloo_lightning.runtime import sigterm
 
 __all__ = ["PredictionWriter", "prediction_rows"]
 
@@ -101,13 +101,13 @@ class PredictionWriter(BasePredictionWriter):
         self._written += len(prediction)
         # Lightning's predict loop never looks at SIGTERM (fit and validation stop at the next batch): stop here,
         # after this batch is on disk; every rank together, so that no rank waits in a collective for another.
-        if stop.agree(trainer):
+        if sigterm.agree(trainer):
             self._handle.close()
             self._handle = None
-            rank_zero_info(f"predict stopped by {stop.signal_name()} after batch {batch_idx}: {self._written} "
+            rank_zero_info(f"predict stopped by {sigterm.signal_name()} after batch {batch_idx}: {self._written} "
                            f"completions are in {self.path}")
             raise SIGTERMException
 
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._handle.close()
-        self._handle = None  # the command's last line names the file (rloo_lightning.console.outputs_line)
+        self._handle = None  # the command's last line names the file (rloo_lightning.runtime.console.outputs_line)

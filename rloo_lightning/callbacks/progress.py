@@ -24,7 +24,7 @@ from typing import Any, Callable, TextIO
 import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-from rloo_lightning.console import is_terminal, write_line
+from rloo_lightning.runtime.console import is_terminal, write_line
 
 __all__ = ["StepProgressBar", "LineBar", "EvaluationProgress", "format_duration", "format_rate", "format_value"]
 

@@ -8,7 +8,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from rloo_lightning.callbacks.base import RolloutHook
 from rloo_lightning.metrics import log_step_metrics
-from rloo_lightning.advantages import group_std
+from rloo_lightning.algo.advantages import group_std
 
 __all__ = ["RewardVarianceLogger", "SampleLogger"]
 

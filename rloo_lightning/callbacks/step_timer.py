@@ -9,7 +9,7 @@ from pathlib import Path
 
 from lightning.pytorch import Callback
 
-from rloo_lightning.timing import sync_device, peak_rss_mb
+from rloo_lightning.runtime.timing import sync_device, peak_rss_mb
 
 __all__ = ["StepTimer"]
 

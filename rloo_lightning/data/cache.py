@@ -41,18 +41,18 @@ import stat
 import time
 import uuid
 import warnings
-from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from rloo_lightning.data.encode import PromptEncoder
+from rloo_lightning.data.prompt_rows import WRITE_ROWS, PromptRows, arrow_schema, record_batch
 from rloo_lightning.data.sources import Source
+from rloo_lightning.data.validation_split import held_out_count
 
-__all__ = ["FORMAT_VERSION", "PromptCache", "PromptCacheError", "PromptCacheWarning", "PromptRows"]
+__all__ = ["FORMAT_VERSION", "PromptCache", "PromptCacheError", "PromptCacheWarning"]
 
 FORMAT_VERSION = 1
-WRITE_ROWS = 2048  # rows encoded and written per Arrow record batch
 CHECKSUM = "sha256"  # the hashlib algorithm of meta.json's checksums (its name is their field's name)
 READ_BYTES = 1 << 20  # the read size while a file is hashed
 RENAME_TRIES = 5  # a build's attempts to rename its entry into place over entries that fail their checks
@@ -68,100 +68,6 @@ class PromptCacheWarning(UserWarning):
     """A cache entry failed its checks: it was moved aside, and is rebuilt."""
 
 
-def _schema():
-    import pyarrow as pa
-
-    return pa.schema([("input_ids", pa.list_(pa.int32())), ("prompt", pa.string()), ("columns", pa.string()),
-                      ("row", pa.int64())])
-
-
-class PromptRows(Sequence):
-    """The tokenized prompts of one split: a read-only sequence of row dicts over an Arrow table.
-
-    ``rows[i]``, ``rows[a:b]``, iteration, and ``rows.__getitems__(indices)`` (which ``DataLoader`` uses to
-    fetch a whole batch in one Arrow ``take``). ``rows.table`` is the ``pyarrow.Table`` itself.
-    """
-
-    def __init__(self, table) -> None:
-        self.table = table
-
-    @classmethod
-    def open(cls, path: str | Path) -> "PromptRows":
-        """Memory-maps the Arrow stream file at ``path`` (nothing is read until rows are asked for)."""
-        import pyarrow as pa
-
-        return cls(pa.ipc.open_stream(pa.memory_map(str(path), "r")).read_all())
-
-    @classmethod
-    def from_rows(cls, rows: list[dict]) -> "PromptRows":
-        """An in-memory table of already encoded rows (``{"input_ids", "prompt", "columns"[, "row"]}``)."""
-        import pyarrow as pa
-
-        return cls(pa.Table.from_batches([_record_batch(rows, [r.get("row", i) for i, r in enumerate(rows)])],
-                                         schema=_schema()))
-
-    def __len__(self) -> int:
-        return self.table.num_rows
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return self.__getitems__(range(len(self))[index])
-        n = len(self)
-        if not -n <= index < n:
-            raise IndexError(f"row {index} out of range for {n} rows")
-        return _to_rows(self.table.slice(index % n, 1))[0]
-
-    def __getitems__(self, indices) -> list[dict]:
-        import pyarrow as pa
-
-        indices = list(indices)
-        if not indices:
-            return []
-        return _to_rows(self.table.take(pa.array(indices, type=pa.int64())))
-
-    def __iter__(self):
-        for batch in self.table.to_batches(max_chunksize=WRITE_ROWS):
-            yield from _to_rows(batch)
-
-    def __repr__(self) -> str:
-        return f"PromptRows({len(self)} rows)"
-
-
-def _to_rows(table) -> list[dict]:
-    d = table.to_pydict()
-    return [{"input_ids": ids, "prompt": json.loads(p), "columns": json.loads(c), "row": r}
-            for ids, p, c, r in zip(d["input_ids"], d["prompt"], d["columns"], d["row"])]
-
-
-_ENCODER = json.JSONEncoder(ensure_ascii=False)  # one encoder for every row: json.dumps builds one per call
-
-
-def _json(value, where: str, column: str) -> str:
-    try:
-        return _ENCODER.encode(value)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{where}: column {column!r} holds a {type(value).__name__} value, which the prompt cache "
-                         f"cannot store (it keeps columns as JSON): {err}; convert it in the data, e.g. to a "
-                         "string") from err
-
-
-def _record_batch(rows: list[dict], indices: list[int], wheres: list[str] | None = None):
-    import pyarrow as pa
-
-    wheres = wheres or [f"row {i}" for i in indices]
-    columns = []
-    for r, where in zip(rows, wheres):
-        try:
-            columns.append(_ENCODER.encode(r["columns"]))
-        except (TypeError, ValueError):  # name the column that cannot be stored
-            for name, value in r["columns"].items():
-                _json(value, where, name)
-            raise
-    return pa.record_batch([pa.array([r["input_ids"] for r in rows], type=pa.list_(pa.int32())),
-                            pa.array([_json(r["prompt"], w, "prompt") for r, w in zip(rows, wheres)], type=pa.string()),
-                            pa.array(columns, type=pa.string()), pa.array(indices, type=pa.int64())], schema=_schema())
-
-
 class _Writer:
     """Encoded rows into one Arrow stream file, a record batch at a time."""
 
@@ -171,7 +77,7 @@ class _Writer:
         self.path = path
         with _writing(path):
             self.sink = pa.OSFile(str(path), "wb")
-            self.writer = pa.ipc.new_stream(self.sink, _schema())
+            self.writer = pa.ipc.new_stream(self.sink, arrow_schema())
         self.rows = 0
 
     def write(self, batch) -> None:
@@ -242,7 +148,7 @@ def _encode_into(source: Source, encoder: PromptEncoder, writer: _Writer) -> tup
         dropped.extend(n - len(pending) + j for j, e in enumerate(encoded) if e is None)
         if keep:
             rows, idx, wheres = zip(*keep)
-            writer.write(_record_batch(list(rows), list(idx), list(wheres)))
+            writer.write(record_batch(list(rows), list(idx), list(wheres)))
         pending.clear()
 
     for pair in source.rows():
@@ -253,12 +159,6 @@ def _encode_into(source: Source, encoder: PromptEncoder, writer: _Writer) -> tup
     if pending:
         flush()
     return n, dropped
-
-
-def held_out_count(val_size: float, n: int, cap: int | None = None) -> int:
-    """Validation rows held out of ``n``: a fraction (< 1) of them, rounded, or a count (>= 1); at most ``cap``."""
-    count = int(round(val_size * n)) if val_size < 1 else int(val_size)
-    return count if cap is None else min(count, cap)
 
 
 class PromptCache:

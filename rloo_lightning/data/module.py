@@ -13,21 +13,20 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from rloo_lightning.data.cache import PromptCache, PromptRows
+from rloo_lightning.data.cache import PromptCache
 from rloo_lightning.data.encode import CHAT_ROLES, UNKNOWN_WARNED, PromptEncoder
-from rloo_lightning.data.sampling import (ResumableDataLoader, ResumableSampler, collate_prompts, data_layout,
-                                          layout_change)
+from rloo_lightning.data.prompt_rows import PromptRows
+from rloo_lightning.data.resume_layout import check_resumed_layout, data_layout
+from rloo_lightning.data.sampling import ResumableDataLoader, ResumableSampler, collate_prompts
 from rloo_lightning.data.sources import default_cache_dir, file_source, task_sources
+from rloo_lightning.data.validation_split import (DEFAULT_VAL_CAP, default_cap_applies, hold_out_rule, hold_out_text,
+                                                  report_split, resumed_validation_rows)
 from rloo_lightning.environments.tools import tool_schemas
 from rloo_lightning.models import context_length, load_tokenizer
 
 __all__ = ["PromptDataModule"]
 
-SMALL_VALIDATION = 8  # fewer validation prompts than this: a warning (val/reward is too noisy to compare)
-DEFAULT_VAL_SIZE, DEFAULT_TRAIN_ROWS, DEFAULT_VAL_ROWS = 0.1, 4000, 200
-# Without val_size, 10 % of a file is held out, at most this many prompts: a validation runs every val_check_interval
-# and before training, and 1,000 prompts already give val/reward a standard error under 0.016 (a reward in [0, 1]).
-DEFAULT_VAL_CAP = 1000
+DEFAULT_TRAIN_ROWS, DEFAULT_VAL_ROWS = 4000, 200  # the sizes of an embedded task's splits
 
 
 class PromptDataModule(LightningDataModule):
@@ -190,33 +189,6 @@ class PromptDataModule(LightningDataModule):
             listed = ", ".join(f"{name}={value!r}" for name, value in given.items())
             rank_zero_warn(f"PromptDataModule: {listed} ignored: {why}")
 
-    @property
-    def _val_size(self) -> float:
-        """``val_size`` as used: the given value, or the default fraction (None tells "not given" apart)."""
-        return DEFAULT_VAL_SIZE if self.hparams.val_size is None else self.hparams.val_size
-
-    def _hold_out(self) -> tuple:
-        """How the validation rows are held out of ``train_file``: ``(split, val_size, seed[, cap])``. A resumed run
-        holds out the count it recorded (:meth:`load_state_dict`): the same seed's shuffle, so the same rows."""
-        hp = self.hparams
-        if self._kept_val_rows is not None:
-            return ("validation", self._kept_val_rows, hp.seed)
-        if hp.val_size is None:
-            return ("validation", DEFAULT_VAL_SIZE, hp.seed, DEFAULT_VAL_CAP)
-        return ("validation", hp.val_size, hp.seed)
-
-    def _hold_out_text(self, n: int) -> str:
-        if self._kept_val_rows is not None:
-            return f"the {self._kept_val_rows} the resumed run started with"
-        if self.hparams.val_size is None:
-            return f"val_size={DEFAULT_VAL_SIZE}" + (f" capped at {DEFAULT_VAL_CAP}" if self._capped(n) else "")
-        return f"val_size={self.hparams.val_size}"
-
-    def _capped(self, n: int) -> bool:
-        """The default hold-out (no ``val_size``, not a resumed split) of ``n`` rows hits ``DEFAULT_VAL_CAP``."""
-        return self.hparams.val_size is None and self._kept_val_rows is None \
-            and round(DEFAULT_VAL_SIZE * n) > DEFAULT_VAL_CAP
-
     # -- the split a run started with, kept on resume -------------------------------------------
     def state_dict(self) -> dict:
         """While fitting, ``layout``: what the data position (the batches a rank has consumed) counts in (see
@@ -232,7 +204,7 @@ class PromptDataModule(LightningDataModule):
         return state
 
     def _layout(self) -> dict | None:
-        """This fit's :func:`~rloo_lightning.data.sampling.data_layout` (None outside ``fit``)."""
+        """This fit's :func:`~rloo_lightning.data.resume_layout.data_layout` (None outside ``fit``)."""
         trainer = self.trainer
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return None
@@ -245,42 +217,27 @@ class PromptDataModule(LightningDataModule):
 
         A resumed fit whose batch_size x world size, ``repeat_batches`` or ``accumulate_grad_batches`` differ from
         the checkpoint's ``layout`` is refused (one line naming each, from
-        :func:`~rloo_lightning.data.sampling.layout_change`): the data position is a per-rank batch count, which
+        :func:`~rloo_lightning.data.resume_layout.layout_change`): the data position is a per-rank batch count, which
         would then point elsewhere in the data. A checkpoint without ``layout`` resumes unchecked."""
         self._check_layout(state_dict.get("layout"))
         held = state_dict.get("held_out")
         if not held or not self._held_out_split:
             return
-        count, n = int(held["validation_rows"]), int(held["source_rows"])
-        if n != self._held_out_split["source_rows"] or held["seed"] != self.hparams.seed:
-            rank_zero_warn(f"PromptDataModule: the checkpoint's run held its validation prompts out of {n} rows with "
-                           f"seed {held['seed']}; {self.hparams.train_file} now has "
-                           f"{self._held_out_split['source_rows']} rows (seed {self.hparams.seed}): the split cannot "
-                           "be the same, and some of its validation prompts may now be trained on")
+        count = resumed_validation_rows(held, self._held_out_split["source_rows"], self.hparams.seed,
+                                        self.hparams.train_file, len(self.val_rows))
+        if count is None:
             return
-        if count == len(self.val_rows):
-            return
-        rank_zero_info(f"PromptDataModule: resumed: keeping the run's {count} validation prompts (the current options "
-                       f"would hold out {len(self.val_rows)})")
         self._kept_val_rows = count
         self._loaded.discard("fit")
         self._setup_fit()
 
     def _check_layout(self, saved: dict | None) -> None:
-        """Refuse a resumed fit whose data position would point elsewhere than where its run stopped; one line when
-        the batch is split over another number of ranks, which continues exactly."""
+        """A resumed fit's layout checked against the checkpoint's ``saved`` one
+        (:func:`~rloo_lightning.data.resume_layout.check_resumed_layout`)."""
         now = self._layout()
         if now is None or saved is None:
             return
-        changed = layout_change(saved, now, str(self.trainer.ckpt_path))
-        if changed is not None:
-            raise ValueError(changed)
-        before = (saved.get("batch_size"), saved.get("world_size"))
-        if None not in before and before != (now["batch_size"], now["world_size"]):
-            rank_zero_info(f"PromptDataModule: resumed with data.batch_size {now['batch_size']} on {now['world_size']} "
-                           f"ranks, where the checkpoint's run had {before[0]} on {before[1]}: the same "
-                           f"{now['batch_size'] * now['world_size']} prompts a step, so it continues from the prompt "
-                           "where that run stopped")
+        check_resumed_layout(saved, now, str(self.trainer.ckpt_path))
 
     # -- loading: the prompt cache -------------------------------------------------------------
     @property
@@ -301,7 +258,7 @@ class PromptDataModule(LightningDataModule):
             hold_out = None
         else:
             sources = {"all": file_source(hp.train_file, hp.train_split, hp.dataset_config)}
-            hold_out = self._hold_out()
+            hold_out = hold_out_rule(hp.val_size, hp.seed, self._kept_val_rows)
         key = {"sources": {split: src.identity for split, src in sources.items()}, "encoding": self.encoder.identity(),
                "hold_out": hold_out}
         name = hp.task if hp.task is not None else hp.train_file
@@ -345,25 +302,6 @@ class PromptDataModule(LightningDataModule):
         stage = getattr(fn, "value", fn) or "fit"
         for cache, sources, hold_out in self._caches(stage):
             self._ensure(cache, sources, hold_out)
-
-    def _report_split(self) -> None:
-        """One info line with both split sizes and their origin; a warning if validation is very small."""
-        hp = self.hparams
-        train_from, val_from = self._split_origin
-        rank_zero_info(f"PromptDataModule: {len(self.train_rows)} training prompts {train_from}, "
-                       f"{len(self.val_rows)} validation prompts {val_from}")
-        n_val = len(self.val_rows)
-        deliberate_empty = n_val == 0 and hp.val_file is None and hp.task is None and hp.val_size == 0
-        if n_val < SMALL_VALIDATION and not deliberate_empty:
-            if hp.task is not None:
-                knob = "raise num_val_rows"
-            elif hp.val_file is not None:
-                knob = f"add prompts to val_file {hp.val_file}"
-            else:
-                val_size = self._val_size
-                knob = f"val_size={val_size} gives {n_val}; raise val_size (a fraction < 1 or a count >= 1)"
-            rank_zero_warn(f"PromptDataModule: the validation split has only {n_val} prompts (fewer than "
-                           f"{SMALL_VALIDATION}): val/ metrics will be too noisy to compare; {knob}")
 
     def setup(self, stage: str | None = None) -> None:
         """Open what ``stage`` uses from the prompt cache (building it if ``prepare_data`` did not): fit /
@@ -462,9 +400,9 @@ class PromptDataModule(LightningDataModule):
             n = meta["source_rows"]["all"]
             self._held_out_split = {"source_rows": n}
             self._split_origin = (f"from {hp.train_file}", f"held out of the {n} rows of {hp.train_file} "
-                                                           f"({self._hold_out_text(n)})")
+                                                           f"({hold_out_text(hp.val_size, self._kept_val_rows, n)})")
             source = hp.train_file
-            if self._capped(n):
+            if default_cap_applies(hp.val_size, self._kept_val_rows, n):
                 rank_zero_info(f"PromptDataModule: validation holds out {DEFAULT_VAL_CAP} of the {n} rows of "
                                f"{hp.train_file} (10 % capped at {DEFAULT_VAL_CAP} when val_size is not given); set "
                                "data.val_size to choose (a fraction < 1 or a count >= 1)")
@@ -473,7 +411,8 @@ class PromptDataModule(LightningDataModule):
             empty = not sum(meta["source_rows"].get(s, 0) for s in ("train", "all"))
             raise ValueError(f"{source}: the training set has {len(self.train_rows)} rows{dropped}, fewer than "
                              f"batch_size={hp.batch_size}" + (" (the source is empty)" if empty else ""))
-        self._report_split()  # after the check: an empty file is one error, not a validation-size warning first
+        # After the check: an empty file is one error, not a validation-size warning first.
+        report_split(hp, len(self.train_rows), len(self.val_rows), self._split_origin)
         self._loaded.add("fit")
 
     # -- loaders -------------------------------------------------------------------------------

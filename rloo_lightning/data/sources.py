@@ -186,6 +186,6 @@ def read_rows(source: str, split: str = "train", dataset_config: str | None = No
 
 def default_cache_dir() -> Path:
     """``$RLOO_LIGHTNING_CACHE/prompts``, else ``~/.cache/rloo_lightning/prompts``."""
-    from rloo_lightning.tiny_models import cache_dir
+    from rloo_lightning.models.tiny import cache_dir
 
     return cache_dir() / "prompts"

@@ -31,7 +31,7 @@ A reward function is given (``RLOOModule(rewards={"funcs": [...]})``, ``--model.
 Import paths execute that module's code. Built-in rule rewards are in
 :mod:`rloo_lightning.rewards.builtin`, a reward model in :mod:`rloo_lightning.rewards.model`,
 reward shaping (missing-EOS and overlong penalties, clipping) in
-:mod:`rloo_lightning.rewards.shaping`.
+:mod:`rloo_lightning.algo.shaping`.
 """
 
 from rloo_lightning.rewards.protocol import (

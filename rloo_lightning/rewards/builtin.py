@@ -11,7 +11,7 @@
 Each follows the protocol of :mod:`rloo_lightning.rewards` and lists the dataset columns it reads
 in ``required_columns``, so a missing column is an error before any completion is scored.
 Reward shaping that needs the rollout's tensors (missing-EOS and overlong penalties, clipping)
-is in :mod:`rloo_lightning.rewards.shaping`.
+is in :mod:`rloo_lightning.algo.shaping`.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ class LengthPenalty:
     against the length hacking of RLHF (Singhal et al. 2023, "A Long Way to Go: Investigating
     Length Correlations in RLHF"). Give it a weight of 1 and set the strength with ``coef``.
     For DAPO's soft overlong punishment near the generation limit see
-    :func:`rloo_lightning.rewards.shaping.overlong_penalty`.
+    :func:`rloo_lightning.algo.shaping.overlong_penalty`.
 
     Args:
         target_tokens: tokens that cost nothing.

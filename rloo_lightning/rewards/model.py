@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from rloo_lightning.logprobs import mask_positions
+from rloo_lightning.algo.logprobs import mask_positions
 
 __all__ = ["RewardModel"]
 

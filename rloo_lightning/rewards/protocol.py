@@ -1,7 +1,7 @@
 """The reward-function protocol: errors, resolving specs to callables, and calling them.
 
 What :class:`~rloo_lightning.rewards.reward_set.RewardSet` and the worker processes of
-:mod:`rloo_lightning.rewards.parallel` both need: turning a spec (callable, import path, class
+:mod:`rloo_lightning.runtime.workers` both need: turning a spec (callable, import path, class
 spec dict) into a callable, deciding from its signature how to call it, calling it, and checking
 the values it returns. The protocol itself is described in :mod:`rloo_lightning.rewards`.
 """

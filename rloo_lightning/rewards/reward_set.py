@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from rloo_lightning.config import parse_on_error
-from rloo_lightning.rewards.parallel import WorkerPool
+from rloo_lightning.options import parse_on_error
+from rloo_lightning.runtime.workers import WorkerPool
 from rloo_lightning.rewards.protocol import (
     RewardError,
     RewardFunction,
@@ -50,7 +50,7 @@ class RewardSet:
         specs: what each function was built from (sent to worker processes, which rebuild it).
         timeout: seconds one call (one function on one chunk) may run, or None. Needs a process
             it can kill, so a timeout runs the functions in at least one worker process.
-        num_workers: worker processes for the functions (see :mod:`rloo_lightning.rewards.parallel`);
+        num_workers: worker processes for the functions (see :mod:`rloo_lightning.runtime.workers`);
             0 = in this process. Functions with ``run_in_main_process = True`` (the reward model)
             always run in this process, without a timeout, while the workers run the others.
         on_error: what an exception or a timeout scores: ``"raise"`` (default), ``"none"``

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from rloo_lightning.tiny_models import cache_dir
+from rloo_lightning.models.tiny import cache_dir
 
 __all__ = ["Task", "segments_nll"]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from rloo_lightning.tasks.base import Task, segments_nll, warm_start
-from rloo_lightning.tiny_models import build_char_tokenizer, build_tiny_llama
+from rloo_lightning.models.tiny import build_char_tokenizer, build_tiny_llama
 
 LETTERS = "ab"
 LENGTH = 4  # one length: the reply's letters sit at a fixed distance from the guess they mark

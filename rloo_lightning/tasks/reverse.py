@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from rloo_lightning.tasks.base import Task, segments_nll, warm_start
-from rloo_lightning.tiny_models import build_char_tokenizer, build_tiny_llama
+from rloo_lightning.models.tiny import build_char_tokenizer, build_tiny_llama
 
 ALPHABET = "abcdefgh"
 SEPARATOR = "="

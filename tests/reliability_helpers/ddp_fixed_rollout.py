@@ -31,7 +31,7 @@ from lightning.pytorch.loggers import CSVLogger
 from rloo_lightning.callbacks import RolloutHook
 from rloo_lightning.data import PromptDataModule
 from rloo_lightning.module import RLOOModule
-from rloo_lightning.logprobs import completion_mask
+from rloo_lightning.algo.logprobs import completion_mask
 from rloo_lightning.rollout import Rollout
 
 LETTERS = "abcdefgh"

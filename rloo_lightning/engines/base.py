@@ -1,0 +1,145 @@
+"""The contract between the module and what samples the completions (:class:`GenerationEngine`), and how a
+checkpoint names an engine and builds it again (:func:`engine_spec`, :func:`engine_class`, :func:`build_engine`).
+
+The engines themselves have modules of their own in this package: the default
+:class:`~rloo_lightning.engines.decode.DecodeLoopEngine` (``decode.py``), the policy's ``generate``
+(``hf_generate.py``), a reduced-precision copy (``reduced_precision.py``) and vLLM (``vllm.py``, its child process
+in ``vllm_child.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import torch
+from torch import Tensor
+from transformers import GenerationConfig
+
+__all__ = ["GenerationEngine", "build_engine", "engine_class", "engine_spec"]
+
+
+class GenerationEngine:
+    """The seam between :class:`~rloo_lightning.RLOOModule` and whatever samples the completions.
+
+    Prompts in, token ids out; the module builds masks, texts and everything else from the ids,
+    so an engine only has to sample faithfully. The module's default,
+    :class:`~rloo_lightning.engines.decode.DecodeLoopEngine`, decodes over the live policy's KV cache;
+    :class:`~rloo_lightning.engines.hf_generate.HFGenerateEngine` calls its ``generate``. A faster engine
+    (e.g. vLLM on a GPU) subclasses this, samples from its own copy of the weights, and refreshes that copy in
+    :meth:`on_weights_updated`,
+    which the module calls after every optimizer step (on-policy: the next rollout must come
+    from the updated policy). Select one with ``RLOOModule(generation_engine=...)``.
+
+    Contract of :meth:`generate`:
+        - sample from exactly ``generation_config`` (temperature, top_k/top_p off by default, EOS
+          ids, ``max_new_tokens``); nothing from the model's shipped generation config;
+        - be deterministic given ``seed`` and leave the global RNG as it was;
+        - return ``[B, T']`` completion ids, ``T' <= max_new_tokens``, right-padded with any id
+          after a completion's first EOS (the module's mask ends at the first EOS / stop string);
+        - or ``(ids, logprobs)``: with ``[B, T']`` log-probabilities of each sampled token under the
+          distribution the engine actually sampled from (its temperature and truncation included). An
+          engine that is not exactly pi_theta (reduced precision, quantized, other kernels) should: the
+          module then logs ``train/mismatch/*`` and can correct for it (``correction.level``).
+
+    Checkpoints name the engine by its class path and every argument of its constructor (captured when it is
+    made), so that validate, test, predict and a resume rebuild it: a user's engine is stored too when its class
+    imports by that path and its arguments are plain values (numbers, strings, lists, mappings); otherwise fit
+    says, in one line, that it is not stored.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        # The arguments the engine was built with, so that a checkpoint can name it (``engine_spec``) and
+        # validate, test, predict and a resume rebuild it, for a user's subclass as for ours.
+        engine = super().__new__(cls)
+        engine._given_args = (args, kwargs)
+        return engine
+
+    #: Whether :meth:`generate` returns ``(ids, logprobs)``: True or False when known in advance, None when
+    #: only a rollout tells (``correction.level`` then fails at the first rollout without log-probs).
+    reports_logprobs: bool | None = None
+
+    def generate(self, model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor,
+                 generation_config: GenerationConfig, seed: int) -> Tensor:
+        """Completion ids ``[B, T']`` (or ``(ids, logprobs)``) for ``B`` left-padded prompts ``[B, P]`` (already
+        repeated k times)."""
+        raise NotImplementedError
+
+    #: The ``correction.level`` that ``level: auto`` means with this engine (None: ``none``).
+    default_correction: str | None = None
+
+    def on_weights_updated(self, model) -> None:
+        """Called after each optimizer step, and at the start of fit, validate, test and predict (weights may have
+        been restored from a checkpoint): an engine holding its own copy of the weights refreshes it before its
+        next generation."""
+
+    def prepare(self, model, tokenizer, generation_config) -> None:
+        """Called once the policy is loaded, with the module's sampling config: raise if this engine cannot sample
+        from this model with these options (before any rollout)."""
+
+    def check(self, device: torch.device) -> None:
+        """Called at setup, before any model is loaded: raise if this engine cannot run on ``device``."""
+
+
+def _plain(value) -> bool:
+    """Whether ``value`` is made of None, bool, int, float, str, lists and str-keyed dicts (what a checkpoint's
+    hyperparameters may hold: they are read with ``weights_only``)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False
+
+
+def engine_spec(engine: GenerationEngine) -> tuple[dict | None, str | None]:
+    """``({"class_path": ..., "init_args": {...}}, None)``: how to build ``engine`` again (every argument of its
+    constructor, defaults included, so a later default does not change a resumed run); or ``(None, why)`` when it
+    cannot be named: a class not importable by its path (defined in ``__main__`` or a function), or an argument
+    that is not a plain value."""
+    cls = type(engine)
+    class_path = f"{cls.__module__}.{cls.__qualname__}"
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        return None, f"its class {class_path} cannot be imported by that path"
+    args, kwargs = getattr(engine, "_given_args", ((), {}))
+    try:
+        bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
+    except TypeError as err:
+        return None, f"its arguments do not match {cls.__name__}'s signature ({err})"
+    bound.apply_defaults()
+    init_args = dict(list(bound.arguments.items())[1:])  # without self
+    for name, value in list(init_args.items()):
+        kind = inspect.signature(cls.__init__).parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            init_args.pop(name)
+            init_args.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            return None, f"{cls.__name__} takes *{name} (positional arguments have no name to store)"
+    bad = next((name for name, value in init_args.items() if not _plain(value)), None)
+    if bad is not None:
+        return None, f"its argument {bad}={init_args[bad]!r} is not a plain value"
+    return {"class_path": class_path, "init_args": {k: list(v) if isinstance(v, tuple) else v
+                                                     for k, v in init_args.items()}}, None
+
+
+def engine_class(class_path: str) -> type:
+    """The :class:`GenerationEngine` subclass at ``class_path`` (``package.module.Class``); ImportError or
+    TypeError naming it otherwise."""
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name) if module_name else None
+    except (ImportError, AttributeError) as err:
+        raise ImportError(f"generation engine {class_path} cannot be imported: {err}") from err
+    if cls is None:
+        raise ImportError(f"generation engine {class_path} cannot be imported: not a module.Class path")
+    if not (isinstance(cls, type) and issubclass(cls, GenerationEngine)):
+        raise TypeError(f"generation engine {class_path} is not a GenerationEngine subclass")
+    return cls
+
+
+def build_engine(spec: dict) -> GenerationEngine:
+    """The engine that :func:`engine_spec` (or a ``{class_path, init_args}`` mapping in YAML) describes."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("class_path"), str):
+        raise TypeError(f"generation_engine must be an engine or a mapping with a class_path, got {spec!r}")
+    return engine_class(spec["class_path"])(**dict(spec.get("init_args") or {}))

