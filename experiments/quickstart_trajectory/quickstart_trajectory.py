@@ -34,8 +34,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # the shared helpers are the package benchmarks/ at the repository's root
-    sys.path.insert(0, str(ROOT))
 VAL_TAGS = ["val/reward", "val/reward_greedy", "val/accuracy_greedy"]  # the table's columns, in order
 TAGS = [*VAL_TAGS, "train/reward", "train/kl", "train/loss", "train/completion_length"]
 
