@@ -2,7 +2,7 @@
 ``args``; each prints one JSON object (``--out FILE`` writes it too). ``python -m benchmarks`` lists them.
 
 Run from the repository's root (``benchmarks`` is a folder of it, not an installed package). Every script also runs
-as a file, ``python benchmarks/<name>.py [args]``, the same way.
+as a module, ``python -m benchmarks.<name> [args]``, the same way.
 """
 
 from __future__ import annotations

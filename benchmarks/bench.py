@@ -55,10 +55,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # benchmarks/ is a package at the repository's root: run as a file, from anywhere
-    sys.path.insert(0, str(ROOT))
-from benchmarks.bench_common import (  # noqa: E402
+from benchmarks.bench_common import (
     QUICKSTART,
     emit_json,
     child_env,
@@ -69,7 +66,6 @@ from benchmarks.bench_common import (  # noqa: E402
     write_result,
 )
 
-SCRIPTS = Path(__file__).resolve().parent
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Per size: the model and the sizes; steps/warmup per mode; `override` are the other quickstart
@@ -262,6 +258,15 @@ def _r(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(x, nd)
 
 
+#: The module's phases of the policy's forwards and backwards (the last micro-batch's backward is ``backward_s``).
+POLICY_PHASES = ("policy_logprobs", "update_forward", "update_backward")
+
+
+def _policy_phases(phases: dict) -> float | None:
+    """Seconds of the policy's forwards and its early backwards in a step (None when the module did not time them)."""
+    return sum(phases.get(n, 0.0) for n in POLICY_PHASES) if any(n in phases for n in POLICY_PHASES) else None
+
+
 def _split(steps: list[dict]) -> dict:
     """Median seconds of each part of (a)'s step; None for a part the module does not time (yet)."""
     parts: dict[str, list[float]] = {n: [] for n in ("generation", "reward", "policy_forward_backward",
@@ -277,9 +282,9 @@ def _split(steps: list[dict]) -> dict:
             if name in ph:
                 parts[name].append(ph[name])
                 known += ph[name]
-        if "policy_forward" in ph:
-            parts["policy_forward_backward"].append(ph["policy_forward"] + s["backward_s"])
-            known += ph["policy_forward"]
+        if (policy := _policy_phases(ph)) is not None:
+            parts["policy_forward_backward"].append(policy + s["backward_s"])
+            known += policy
         parts["other"].append(s["total_s"] - known)
     out = {name: _r(_median(v)) for name, v in parts.items()}
     out["phases_timed"] = have_phases
@@ -296,8 +301,8 @@ def _floors(steps: list[dict], limits: dict, shape: dict) -> dict:
     names = {"generation": "generation", "policy_forward_backward": "policy_forward_backward",
              "reference": "reference", "optimizer": "optimizer"}
     split_names = {"generation": lambda s, ph: ph.get("generation"),
-                   "policy_forward_backward": lambda s, ph: ph.get("policy_forward", 0.0) + s["backward_s"]
-                   if "policy_forward" in ph else None,
+                   "policy_forward_backward": lambda s, ph: _policy_phases(ph) + s["backward_s"]
+                   if _policy_phases(ph) is not None else None,
                    "reference": lambda s, ph: ph.get("reference"), "optimizer": lambda s, ph: s["optimizer_s"]}
     floors: dict[str, list[float]] = {n: [] for n in names}
     ratios: dict[str, list[float]] = {n: [] for n in names}
@@ -440,10 +445,11 @@ def main(argv: list[str] | None = None) -> None:
         "mode": mode, "seeds": seeds, "threads": args.threads, "versions": _versions(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "loadavg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None},
-        "split_parts": "median seconds per step of (a); policy_forward_backward = the module's policy_forward "
-                       "phase + backward (on_before_backward -> on_after_backward); optimizer = "
-                       "on_before_optimizer_step -> on_train_batch_end (grad check, AdamW, scheduler); other = "
-                       "total - the parts timed; parts the module does not time yet are null",
+        "split_parts": "median seconds per step of (a); policy_forward_backward = the module's policy_logprobs, "
+                       "update_forward and update_backward phases + backward (on_before_backward -> "
+                       "on_after_backward); optimizer = on_before_optimizer_step -> on_train_batch_end (grad "
+                       "check, AdamW, scheduler); other = total - the parts timed; parts the module does not time "
+                       "yet are null",
         "reward_end": f"per seed: mean train reward (task reward, before the KL term) over the last "
                       f"{REWARD_END_STEPS} steps of the run",
         "sizes": {},
@@ -456,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
             total = steps + warmup
             size_dir = work / size
             size_dir.mkdir()
-            prep = _child([str(SCRIPTS / "bench.py"), "_prepare"],
+            prep = _child(["-m", "benchmarks.bench", "_prepare"],
                           {"model": cfg["model"], "gguf_file": cfg["gguf_file"], "workdir": str(size_dir),
                            "threads": args.threads, "task": qs["data"]["task"]}, size_dir, "prepare", args.threads)
             if "error" in prep:
@@ -480,8 +486,8 @@ def main(argv: list[str] | None = None) -> None:
                 "total_steps": total, "threads": args.threads, "override": cfg["override"],
                 "phases": not args.no_phases, "trl_own_defaults": args.trl_own_defaults,
             }
-            commands = {"a": [str(SCRIPTS / "bench.py"), "_a"], "b": [str(SCRIPTS / "bench_trl.py")],
-                        "c": [str(SCRIPTS / "bench_bare.py")]}
+            commands = {"a": ["-m", "benchmarks.bench", "_a"], "b": ["-m", "benchmarks.bench_trl"],
+                        "c": ["-m", "benchmarks.bench_bare"]}
             runs: dict[str, list[dict]] = {x: [] for x in args.systems}
             for seed in seeds:  # interleaved: a b c a b c ...
                 for x in args.systems:

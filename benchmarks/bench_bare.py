@@ -1,6 +1,6 @@
 """System (c) of ``benchmarks/bench.py``: the same RLOO step as a bare PyTorch loop, no framework.
 
-    python benchmarks/bench_bare.py --spec spec.json --out result.json
+    python -m benchmarks.bench_bare --spec spec.json --out result.json
 
 Per step: sample k completions per prompt with HF ``generate`` and the same explicit sampling config
 (``rloo_lightning.rollout.sampling_config``: every field set, KV cache on, seeded per step in a forked
@@ -15,13 +15,8 @@ completion length, clipped ratio, entropy, loss, KL), read back once per step.
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # benchmarks/ is a package at the repository's root: run as a file, from anywhere
-    sys.path.insert(0, str(ROOT))
-from benchmarks.bench_common import (  # noqa: E402
+from benchmarks.bench_common import (
     Clock,
     child_args,
     encode_prompt,

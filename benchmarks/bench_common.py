@@ -8,44 +8,21 @@ seed, steps); the result holds one entry per step and the process's peak RSS.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from anywhere, without installing
-    sys.path.insert(0, str(ROOT))
 
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
-EXPERIMENTS = ROOT / "experiments"
-
-
-def experiment_script(relative: str):
-    """An experiment's script as a module, e.g. ``experiment_script("learning_parity/learning_parity.py")``.
-
-    The experiments are folders of scripts, not packages: one uses another's functions through its file, loaded
-    once and kept in ``sys.modules`` under the file's stem (so every script that asks gets the same module)."""
-    path = (EXPERIMENTS / relative).resolve()
-    module = sys.modules.get(path.stem)
-    if module is not None and Path(getattr(module, "__file__", "") or "").resolve() == path:
-        return module
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[path.stem]
-        raise
-    return module
 
 
 def child_env(threads: int) -> dict[str, str]:
-    """Environment of every child: offline, same thread count for torch, OpenMP and MKL."""
+    """Environment of every child: offline, same thread count for torch, OpenMP and MKL, and the repository's root
+    on the import path (the children are the lab's modules, ``python -m benchmarks.bench_trl``, or fits whose
+    callbacks live there, in a working directory of their own)."""
     env = dict(os.environ)
     env.update({
         "HF_HUB_OFFLINE": "1",
@@ -55,6 +32,7 @@ def child_env(threads: int) -> dict[str, str]:
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
         "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     })
     return env
 
@@ -147,18 +125,11 @@ def record_json(record, indent: int = 1, _level: int = 0) -> str:
     return "[\n" + ",\n".join(items) + "\n" + pad + "]"
 
 
-def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
-    """``{tag: {step: value}}`` of a TensorBoard log folder (the last value of a step wins)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"]}
-
-
 def scalar_curves(folder: Path, tags: list[str]) -> dict[str, list[tuple[int, float]]]:
     """``{tag: [(step, value), ...]}`` in step order for each of ``tags`` the log folder has."""
-    scalars = tensorboard_scalars(folder)
+    from rloo_lightning.runtime.tensorboard_logs import read_scalars  # here: a parent that runs no model stays light
+
+    scalars = read_scalars(folder)
     return {t: sorted(scalars[t].items()) for t in tags if t in scalars}
 
 

@@ -1,6 +1,6 @@
 """System (b) of ``benchmarks/bench.py``: TRL's ``RLOOTrainer`` on the same work (needs the ``bench`` extra).
 
-    python benchmarks/bench_trl.py --spec spec.json --out result.json
+    python -m benchmarks.bench_trl --spec spec.json --out result.json
 
 Configured to do the same work as ours: ``num_generations=k``, ``beta`` and ``learning_rate`` equal to ours,
 ``per_device_train_batch_size = prompts x k``, ``gradient_accumulation_steps=1``, ``num_iterations=1``,
@@ -20,13 +20,10 @@ and reference forwards, forward + backward, optimizer and scheduler step).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # benchmarks/ is a package at the repository's root: run as a file, from anywhere
-    sys.path.insert(0, str(ROOT))
-from benchmarks.bench_common import Clock, child_args, reward_fn, train_rows, write_result  # noqa: E402
+from benchmarks.bench_common import Clock, child_args, reward_fn, train_rows, write_result
+
 
 MATCH_OURS = {
     "optim": "adamw_torch",  # torch.optim.AdamW, as the quickstart (TRL's default: adamw_torch_fused)

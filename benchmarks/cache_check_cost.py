@@ -27,10 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
 
 def write_task_file(n: int, path: Path) -> None:
     from rloo_lightning.tasks import get_task

@@ -29,10 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.bench_common import QUICKSTART, child_env, emit_json
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # benchmarks/ is a package at the repository's root: run as a file, from anywhere
-    sys.path.insert(0, str(ROOT))
-from benchmarks.bench_common import QUICKSTART, child_env, emit_json  # noqa: E402
 
 SMOLLM2_CONFIG = ROOT / "configs" / "smollm2_arithmetic.yaml"
 
@@ -76,8 +75,7 @@ def run_once(config: Path, train_file: Path, cache_dir: Path, workdir: Path, ext
             "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0", "--trainer.enable_checkpointing", "false",
             "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
             "--trainer.callbacks+=benchmarks.data_scale.StepOneClock", f"--trainer.callbacks.path={clock}", *extra]
-    env = child_env(threads)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # the callback's package
+    env = child_env(threads)  # the repository's root on the import path: the callback's package
     log = (workdir / "run.log").open("w")
     start = time.time()
     proc = subprocess.Popen(args, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)

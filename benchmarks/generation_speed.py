@@ -30,17 +30,13 @@ from __future__ import annotations
 
 import copy
 import statistics
-import sys
 import time
 import types
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # benchmarks/ is a package at the repository's root: run as a file, from anywhere
-    sys.path.insert(0, str(ROOT))
-from benchmarks.bench_common import emit_json, rollout_parser  # noqa: E402
+from benchmarks.bench_common import emit_json, rollout_parser
+
 
 VARIANTS = ("plain", "shared", "static", "compiled", "chunked_head", "shared+chunked_head", "continuous", "loop",
             "loop_no_chunk")

@@ -72,8 +72,8 @@ def matmul_rate(rows: int, dtype: torch.dtype, reps: int, calls: int = 2000) -> 
 def measure(decode_rows: int, update_rows: int, reps: int = 5, bf16: bool = False, bandwidth_mib: int = 1024,
             matmul_calls: int = 2000) -> dict:
     """This machine's read bandwidth and fp32 (and, with ``bf16``, bf16) matmul rates at ``decode_rows`` and
-    ``update_rows`` rows. bf16 is measured only where the CPU has it natively: emulated, it runs at about 1 GFLOP/s
-    and a measurement takes minutes."""
+    ``update_rows`` rows. bf16 is measured only where the CPU has it natively: emulated, it runs far slower than
+    fp32 and a measurement takes minutes (measured: see benchmarks/generation.md)."""
     from rloo_lightning.engines import cpu_supports_bf16
 
     dtypes = [("fp32", torch.float32)] + ([("bf16", torch.bfloat16)] if bf16 and cpu_supports_bf16() else [])

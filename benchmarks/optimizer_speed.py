@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # benchmarks/ is a package at the repository's root: run as a file, from anywhere
-    sys.path.insert(0, str(ROOT))
-from benchmarks.bench_common import emit_json  # noqa: E402
+from benchmarks.bench_common import emit_json
+
 
 IMPLEMENTATIONS = {"loop": {"foreach": False, "fused": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 

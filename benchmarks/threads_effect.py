@@ -25,7 +25,7 @@ SPIN = "while True: pass"
 
 def steps_per_second(threads: int, neighbour: bool, steps: int, devices: int = 1, skip: int = 20,
                      cache: Path | None = None) -> float:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from rloo_lightning.runtime.tensorboard_logs import read_events
 
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "RLOO_LIGHTNING_CACHE": str(cache or Path(tmp) / "cache")}
@@ -42,9 +42,8 @@ def steps_per_second(threads: int, neighbour: bool, steps: int, devices: int = 1
         finally:
             if spinner is not None:
                 spinner.kill()
-        events = EventAccumulator(str(Path(tmp) / "lightning_logs" / "version_0"), size_guidance={"scalars": 0})
-        events.Reload()
-        times = {e.step: e.wall_time for e in events.Scalars("train/loss")}
+        events = read_events(Path(tmp) / "lightning_logs" / "version_0")
+        times = {e.step: e.wall_time for e in events["train/loss"]}
         first, last = skip, max(times)
         return (last - first) / (times[last] - times[first])
 

@@ -21,16 +21,11 @@ Prints one JSON object: median seconds per variant and phase, and the padding fr
 from __future__ import annotations
 
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # benchmarks/ is a package at the repository's root: run as a file, from anywhere
-    sys.path.insert(0, str(ROOT))
-from benchmarks.bench_common import emit_json, rollout_parser  # noqa: E402
+from benchmarks.bench_common import emit_json, rollout_parser
 
 
 def packed_logprobs(model, rollout, temperature: float) -> torch.Tensor:

@@ -49,14 +49,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # benchmarks/ is a package at the repository's root: run as a file, from anywhere
-    sys.path.insert(0, str(ROOT))
-from benchmarks.bench import _child, _median, _r, _tb_scalars, _versions  # noqa: E402
-from benchmarks.bench_common import (  # noqa: E402
+from benchmarks.bench import _child, _median, _r, _tb_scalars, _versions
+from benchmarks.bench_common import (
     QUICKSTART, Clock, emit_json, read_spec, run_child_verb, set_threads, write_result)
 
-SCRIPT = Path(__file__).resolve()
+
 ENGINES = ("default", "vllm", "trl_vllm")
 PRECISION = {"float32": "32-true", "bfloat16": "bf16-true", "float16": "16-true"}
 TASKS = ("reverse", "arithmetic")  # single-turn embedded tasks whose reward is rloo_lightning.tasks.<task>.reward
@@ -396,8 +393,8 @@ def main(argv: list[str] | None = None) -> None:
             run_dir.mkdir()
             verb = "_trl" if engine == "trl_vllm" else "_ours"
             print(f"[vllm_compare] {engine}: {total} steps", file=sys.stderr)
-            result = _child([str(SCRIPT), verb], {**base, "engine": engine, "workdir": str(run_dir)}, run_dir,
-                            engine, args.threads)
+            spec = {**base, "engine": engine, "workdir": str(run_dir)}
+            result = _child(["-m", "benchmarks.vllm_compare", verb], spec, run_dir, engine, args.threads)
             if "error" in result:
                 log = Path(result["log"])
                 report[engine] = {"error": result["error"], "wall_s": _r(result.get("wall_s"), 1),

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from rloo_lightning.callbacks.predict import PredictionWriter
 from rloo_lightning.callbacks.progress import StepProgressBar
 from rloo_lightning.cli_errors import error_line, parser_message, set_where, unknown_option_message
-from rloo_lightning.runtime import console, sigterm
+from rloo_lightning.runtime import console, framework, sigterm
 from rloo_lightning.runtime.atomic_checkpoint import install_atomic_checkpoint_io
 from rloo_lightning.runtime.checkpoint_check import check_checkpoint_path, local_checkpoint_path
 from rloo_lightning.options import check_learning_rate
@@ -66,15 +66,16 @@ class RLOOCLI(LightningCLI):
         Only Lightning's own default is replaced: a progress bar among the configured callbacks, or
         ``enable_progress_bar: false``, is left as it is.
         """
-        config = self._get(self.config_init, "trainer", default={}) or {}
+        config = framework.cli_get(self, self.config_init, "trainer", default={}) or {}
         given = [*_as_list(config.get("callbacks")), *_as_list(kwargs.get("callbacks")),
                  *_as_list(self.trainer_defaults.get("callbacks")),
-                 *[self._get(self.config_init, key) for key in self._parser(self.subcommand).callback_keys]]
+                 *[framework.cli_get(self, self.config_init, key)
+                   for key in framework.cli_parser(self, self.subcommand).callback_keys]]
         enabled = kwargs.get("enable_progress_bar", config.get("enable_progress_bar"))
         default_bar = enabled is not False and not any(isinstance(c, ProgressBar) for c in given)
         if (self.subcommand in ("validate", "test", "predict") and config.get("logger") in (None, True)
                 and config.get("default_root_dir") is None and "logger" not in kwargs):
-            logger = _logger_beside_checkpoint(self._get(self.config_init, "ckpt_path"), self.subcommand)
+            logger = _logger_beside_checkpoint(framework.cli_get(self, self.config_init, "ckpt_path"), self.subcommand)
             if logger is not None:
                 kwargs["logger"] = logger
         trainer = super().instantiate_trainer(**kwargs)
@@ -102,20 +103,21 @@ class RLOOCLI(LightningCLI):
         if isinstance(argv, list):
             subcommand = _subcommand_of(argv)
             ckpt = _option_value(argv, "--ckpt_path")
-            if subcommand in getattr(self, "_subcommand_parsers", {}) and ckpt:
+            if subcommand in framework.cli_subcommand_parsers(self) and ckpt:
                 check_checkpoint_path(ckpt)  # a truncated or non-checkpoint file: one line naming it
                 self._checked_ckpt_path = ckpt
                 local = local_checkpoint_path(ckpt)  # None: Lightning's "last" / "best" / "hpc" / "registry" / a URL
                 if local is not None:
                     model, data = checkpoint_hparams(local)
                     self._checkpoint_engine = model.get("generation_engine")
-                    self._engine_missing = _set_checkpoint_defaults(self._subcommand_parsers[subcommand], model, data)
+                    self._engine_missing = _set_checkpoint_defaults(framework.cli_subcommand_parsers(self)[subcommand],
+                                                                    model, data)
         self._argv = [str(a) for a in argv] if isinstance(argv, list) else []  # errors say where an option was set
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as exc:  # an unknown option: named with where it was given and the closest valid one
             subcommand = _subcommand_of(self._argv)
-            subparser = getattr(self, "_subcommand_parsers", {}).get(subcommand)
+            subparser = framework.cli_subcommand_parsers(self).get(subcommand)
             better = unknown_option_message(parser_message(exc), self._argv, subparser or parser, subcommand)
             if better is None:
                 raise
@@ -124,13 +126,13 @@ class RLOOCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """``ckpt_path`` given in a config file: checked as the command line's is, before the model is built; so is
         the optimizer's learning rate (``fit``), named as the user set it."""
-        ckpt = self._get(self.config, "ckpt_path")
+        ckpt = framework.cli_get(self, self.config, "ckpt_path")
         if ckpt is not None and ckpt != getattr(self, "_checked_ckpt_path", None):
             check_checkpoint_path(ckpt)
         self._check_checkpoint_engine()
         if self.subcommand == "fit":  # the only command that builds the optimizer
             for key in ("model.optimizer", "optimizer"):  # the module's, or LightningCLI's own --optimizer
-                init_args = getattr(self._get(self.config, key), "init_args", None)
+                init_args = getattr(framework.cli_get(self, self.config, key), "init_args", None)
                 if init_args is not None and "lr" in init_args:
                     where = set_where(getattr(self, "_argv", []), f"{key}.init_args.lr", self.subcommand,
                                        aliases=(f"{key}.lr",))
@@ -139,19 +141,20 @@ class RLOOCLI(LightningCLI):
     def before_fit(self) -> None:
         """A resume that writes into another folder than its checkpoint's says so in one line (Lightning's "dirpath
         has changed" warning, dropped in :func:`_run`, says it in terms of its own bookkeeping)."""
-        line = console.resume_line(self.trainer, self._get(self.config_init, "ckpt_path"))
+        line = console.resume_line(self.trainer, framework.cli_get(self, self.config_init, "ckpt_path"))
         if line is not None:
             rank_zero_info(line)
 
     def _parse_ckpt_path(self) -> None:
-        """Done in :meth:`parse_arguments`, as defaults (see there)."""
+        """Done in :meth:`parse_arguments`, as defaults (see there). Overrides a private method of LightningCLI: a
+        known dependency, listed and tested in :mod:`rloo_lightning.runtime.framework`."""
 
     def _check_checkpoint_engine(self) -> None:
         """The checkpoint's generation engine, when its class cannot be imported here and no other is given: fit (a
         resume) stops, since another sampler would change the run; validate, test and predict use the default
         engine. One line either way."""
         missing = getattr(self, "_engine_missing", None)
-        if missing is None or self._get(self.config, "model.generation_engine") is not None:
+        if missing is None or framework.cli_get(self, self.config, "model.generation_engine") is not None:
             return
         if self.subcommand == "fit":
             raise ValueError(f"the checkpoint was trained with {missing}; resuming with another engine would change "
@@ -162,7 +165,7 @@ class RLOOCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         super().instantiate_classes()
         stored = getattr(self, "_checkpoint_engine", None)
-        given = self._get(self.config, "model.generation_engine")
+        given = framework.cli_get(self, self.config, "model.generation_engine")
         if isinstance(self.model, RLOOModule) and stored is not None and given is not None:
             # Rebuilt from the checkpoint (the same class and arguments as stored): the module may fall back to
             # the default engine for validate, test and predict when it cannot run here (RLOOModule.setup).
@@ -181,10 +184,9 @@ def _logger_beside_checkpoint(ckpt_path: str | None, subcommand: str):
     folder = Path(local).resolve().parent if local is not None else None
     if folder is None or folder.name != "checkpoints" or not os.access(folder.parent, os.W_OK):
         return None
-    from lightning.fabric.loggers.tensorboard import _TENSORBOARD_AVAILABLE, _TENSORBOARDX_AVAILABLE
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-    logger = TensorBoardLogger if _TENSORBOARD_AVAILABLE or _TENSORBOARDX_AVAILABLE else CSVLogger
+    logger = TensorBoardLogger if framework.tensorboard_available() else CSVLogger
     return logger(save_dir=str(folder.parent), name=subcommand)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from rloo_lightning.runtime import framework
 from rloo_lightning.runtime.atomic_checkpoint import NoSpaceError
 
 __all__ = ["error_line", "parser_message", "set_where", "unknown_option_message"]
@@ -76,7 +77,7 @@ def unknown_option_message(message: str, argv: list[str], parser, subcommand: st
     'model.samplng.k'`` (a key of a ``--config`` file) becomes ``unknown option model.samplng in my.yaml; did you
     mean model.sampling?``.
     """
-    valid = {a.dest for a in parser._actions
+    valid = {a.dest for a in framework.parser_actions(parser)
              if isinstance(a.dest, str) and a.dest.rsplit(".", 1)[-1] not in ("help", "print_config")}
     if message.startswith("unrecognized arguments:"):
         typed = next((t for t in message.split(":", 1)[1].split() if t.startswith("--") and len(t) > 2), None)

@@ -211,7 +211,7 @@ class KLArgs:
 
 @dataclass(frozen=True)
 class AdvantageArgs:
-    """The baseline and what is done to the advantages (step 5).
+    """The baseline and what is done to the advantages (step 6).
 
     Args:
         baseline: ``leave_one_out`` (the paper: mean of the other k-1 samples of the prompt); ``none``
@@ -243,7 +243,7 @@ class AdvantageArgs:
 
 @dataclass(frozen=True)
 class UpdateArgs:
-    """The loss and the optimizer step (step 6).
+    """The loss and the optimizer step (step 7).
 
     Args:
         loss_aggregation: how per-token terms become the loss (verl's ``loss_agg_mode`` in brackets):

@@ -77,8 +77,8 @@ def can_share_prompt(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Te
 _warned_no_cache: set[str] = set()
 
 #: ``update.share_prompt: auto`` shares a group's prompt when ``parameters x (k-1) x distinct prompt tokens`` reaches
-#: this: 2 GFLOP saved per forward, about 13 ms at this CPU's large-matmul rate, against a forward call's per-op
-#: overhead of a few ms (measured: SmolLM2-135M saves 5.5e10, the quickstart's tiny model 3e7).
+#: this: 2 GFLOP saved per forward, against a forward call's per-op overhead (SmolLM2-135M's and the quickstart's
+#: tiny model's figures, measured: see ``docs/generation.md``, "Shared prompts in the update").
 SHARE_MIN_WORK = 1e9
 
 

@@ -14,6 +14,7 @@ from rloo_lightning.algo.advantages import group_std
 from rloo_lightning.algo.logprobs import masked_sum
 from rloo_lightning.environments.episodes import CUT_KINDS
 from rloo_lightning.rewards.protocol import RewardError, short_repr
+from rloo_lightning.runtime import framework
 
 __all__ = [
     "train_metric_sums",
@@ -29,9 +30,9 @@ __all__ = [
 def log_step_metrics(trainer, metrics: Mapping[str, float], step: int, prog_bar: Collection[str] = ()) -> None:
     """One training step's values, already reduced across ranks, to the trainer, without ``LightningModule.log``.
 
-    ``self.log`` costs about a millisecond a key on a CPU whatever the value (Lightning moves the key's whole
-    result state to the value's device at every call; ``benchmarks/bench_logging.py``: 1.1 ms a key, 0.19 ms here,
-    on 2 cores); the step logs 12-20 keys, several milliseconds a step. These values need none of what it
+    ``self.log`` costs the same time a key on a CPU whatever the value (Lightning moves the key's whole result
+    state to the value's device at every call), several times what this costs (measured: see
+    ``benchmarks/README.md``, ``bench_logging``); the step logs 12-20 keys. These values need none of what it
     adds: they are already global means, and each is one step's value (no epoch aggregation). They go to
     ``trainer.callback_metrics`` (what a ``ModelCheckpoint`` or ``EarlyStopping`` ``monitor`` and the progress
     bar read), ``trainer.progress_bar_metrics`` for the keys in ``prog_bar``, and the loggers at the steps
@@ -68,8 +69,9 @@ def _tensorboard_event(logger, values: dict[str, float], step: int) -> bool:
 
     Its ``log_metrics`` calls ``add_scalar`` per key: one event, one serialized record and one (pure-Python)
     checksum each, on the writer's thread. One ``Summary`` holding every value is the same data to every
-    TensorBoard reader (the same tags, steps and float32 values); 12 keys: 0.14 ms a step instead of 0.8 ms on
-    the calling thread. False for any other logger or writer, which then gets ``log_metrics``.
+    TensorBoard reader (the same tags, steps and float32 values), in a fraction of the time on the calling thread
+    (measured: see ``benchmarks/step_time.md``). False for any other logger or writer, which then gets
+    ``log_metrics``.
     """
     if type(logger) is not TensorBoardLogger:
         return False
@@ -80,11 +82,7 @@ def _tensorboard_event(logger, values: dict[str, float], step: int) -> bool:
     writer = logger.experiment
     if type(writer) is not SummaryWriter:
         return False
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    prefix = f"{logger._prefix}{logger.LOGGER_JOIN_CHAR}" if logger._prefix else ""  # as its log_metrics prefixes
-    summary = Summary(value=[Summary.Value(tag=prefix + name, simple_value=v) for name, v in values.items()])
-    writer._get_file_writer().add_summary(summary, step)
+    framework.tensorboard_scalars_event(logger, writer, values, step)
     return True
 
 

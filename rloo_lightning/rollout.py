@@ -1,9 +1,11 @@
-"""The rollout record and generation: repeat prompts, sample, masks, decode."""
+"""The rollout record and generation: repeat prompts, sample, masks, decode; the sampler protocol behind
+``RLOOModule.sample`` (:class:`Sampler`) and its single-turn sampler."""
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -13,7 +15,8 @@ from rloo_lightning.engines import GenerationEngine, HFGenerateEngine
 from rloo_lightning.algo.logprobs import completion_mask
 
 __all__ = ["Rollout", "Episodes", "eos_list", "concat_groups", "sampling_config", "default_eos_ids", "derive_seed",
-           "generate_rollout", "stop_string_ends", "generation_configs", "normal_tensor"]
+           "generate_rollout", "stop_string_ends", "generation_configs", "normal_tensor", "GenerationContext",
+           "Sampler", "CompletionSampler"]
 
 
 @dataclass
@@ -64,8 +67,8 @@ class Rollout:
     """One rollout: ``B = N*k`` completions, prompt-major (the k samples of prompt p at p*k..p*k+k-1).
 
     Built once by :meth:`sampled` (single- and multi-turn alike); each later field is assigned by one step of
-    ``RLOOModule.training_step`` / ``rollout_loss``, named below. Callbacks see the record between step 4 and the
-    baseline (:class:`rloo_lightning.callbacks.RolloutHook`) and may edit ``keep`` or ``baseline_rewards``.
+    ``RLOOModule.training_step`` / ``rollout_loss``, named below. Callbacks see the record as step 6 starts, before the
+    advantages (:class:`rloo_lightning.callbacks.RolloutHook`) and may edit ``keep`` or ``baseline_rewards``.
 
     Attributes:
         k: samples per prompt.
@@ -87,15 +90,15 @@ class Rollout:
             sum, the sequence KL log pi(y)/pi_ref(y); None when beta == 0.
         baseline_rewards: step 4, ``[B]`` the reward R the baseline and advantages are computed from: ``r - beta*kl``
             (``kl.placement: reward``, the paper) or ``r``, standardised if ``advantage.normalize_rewards``.
-        mismatch: step 3b, ``{name: (sum, count)}`` of :func:`~rloo_lightning.algo.correction.mismatch_sums`.
-        is_weights: step 3b, ``[B]`` or ``[B, T]`` detached importance weights pi_theta/pi_s
+        mismatch: step 5, ``{name: (sum, count)}`` of :func:`~rloo_lightning.algo.correction.mismatch_sums`.
+        is_weights: step 5, ``[B]`` or ``[B, T]`` detached importance weights pi_theta/pi_s
             (``correction.level``), else None.
-        keep: step 5, ``[B]`` bool; rows set False (by ``shaping.mask_truncated_completions`` or a callback) leave
+        keep: step 6, ``[B]`` bool; rows set False (by ``shaping.mask_truncated_completions`` or a callback) leave
             the loss (advantage 0), which is averaged over the kept rows.
-        advantages: step 5, ``[B]`` advantages. token_advantages: step 5, ``[B, T]`` (``kl.placement:
+        advantages: step 6, ``[B]`` advantages. token_advantages: step 6, ``[B, T]`` (``kl.placement:
             token_reward`` only).
-        clip_stats: step 6, ``{name: (sum, count)}`` clip fractions of a reused rollout's update.
-        old_logp: step 6, ``[B, T]`` the sampling policy's log-probs, kept after the first update when the rollout
+        clip_stats: step 7, ``{name: (sum, count)}`` clip fractions of a reused rollout's update.
+        old_logp: step 7, ``[B, T]`` the sampling policy's log-probs, kept after the first update when the rollout
             is reused (``update.updates_per_rollout > 1``): the later updates' importance ratio.
     """
 
@@ -170,14 +173,6 @@ class Rollout:
     def from_state(cls, fields: dict) -> Rollout:
         """A rollout from ``dataclasses.asdict`` of one (a checkpoint's stored rollout, ``RolloutReuse``)."""
         fields = dict(fields)
-        # the earlier layout (a flat record, ``shaped_rewards``), as a checkpoint written by it stores it
-        if "shaped_rewards" in fields:
-            fields["baseline_rewards"] = fields.pop("shaped_rewards")
-        flat = {"context_mask": "context_mask", "final_turn_ids": "final_turn_ids", "env_rewards": "rewards",
-                "turns": "turns", "env_metrics": "metrics", "cut_by": "cut_by"}
-        old = {new: fields.pop(name) for name, new in flat.items() if name in fields}
-        if old.get("context_mask") is not None:
-            fields["episodes"] = old
         if isinstance(fields.get("episodes"), dict):
             fields["episodes"] = Episodes(**fields["episodes"])
         return cls(**fields)
@@ -430,3 +425,36 @@ def generate_rollout(
                                    skip_special_tokens=True)
     return Rollout.sampled(k, input_ids, attention_mask, prompts, columns, completion_ids, mask, ~ended, texts,
                            sampler_logp, source=f"{type(engine).__name__}.generate")
+
+
+@dataclass
+class GenerationContext:
+    """What a :class:`Sampler` samples with, the module's: the policy (the Hugging Face model itself), its tokenizer,
+    the engine, the context the engine runs in (``torch.inference_mode`` or ``no_grad``) and the reduction over
+    ranks (``reduce(tensor, op)``; a multi-turn rollout keeps ranks that generate in step turning together)."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    engine: GenerationEngine
+    grad_free: Any
+    reduce: Callable[[Tensor, str], Tensor] | None = None
+
+
+class Sampler(Protocol):
+    """Step 1 behind ``RLOOModule.sample``, single-turn (:class:`CompletionSampler`) or multi-turn
+    (:class:`~rloo_lightning.environments.sampler.EpisodeSampler`): the rollout of ``k`` samples for each prompt of
+    ``batch`` (``input_ids``, ``attention_mask``, ``prompt``, ``columns``, optionally ``row_index``), seeded by
+    ``seed``."""
+
+    def sample(self, using: GenerationContext, batch: dict, k: int, generation_config: GenerationConfig,
+               seed: int) -> Rollout: ...
+
+
+class CompletionSampler:
+    """The single-turn :class:`Sampler`: one completion per sample, from the engine (:func:`generate_rollout`)."""
+
+    def sample(self, using: GenerationContext, batch: dict, k: int, generation_config: GenerationConfig,
+               seed: int) -> Rollout:
+        return generate_rollout(using.model, using.tokenizer, batch["input_ids"], batch["attention_mask"],
+                                batch["prompt"], batch["columns"], k, generation_config, seed, engine=using.engine,
+                                grad_free=using.grad_free)

@@ -1,4 +1,5 @@
-"""Lightning mechanics of the update: micro-batch gradients, the NaN/inf guard, rollout reuse.
+"""Lightning mechanics of the update: the policy's forwards micro-batch by micro-batch, their gradients, the NaN/inf
+guard, rollout reuse.
 
 Each piece is a small object the module holds and calls from one place in its hooks, so that the
 training step itself stays the algorithm.
@@ -7,14 +8,17 @@ training step itself stays the algorithm.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from rloo_lightning.rollout import Rollout
+from rloo_lightning.runtime import framework
 
-__all__ = ["NonFiniteError", "NonFiniteGuard", "GradientStash", "RolloutReuse", "micro_batches", "loss_denominators"]
+__all__ = ["NonFiniteError", "NonFiniteGuard", "GradientStash", "PolicyUpdate", "RolloutReuse", "micro_batches",
+           "loss_denominators"]
 
 
 class NonFiniteError(FloatingPointError):
@@ -66,6 +70,70 @@ class GradientStash:
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
         self.grads = None
+
+
+class PolicyUpdate:
+    """The policy's forwards on one rollout, micro-batch by micro-batch: the log-probs the step reads before its
+    loss (:meth:`detached_logprobs`) and the loss with its entropy (:meth:`loss`).
+
+    One micro-batch: its forward (with grad and entropy) runs once, for the log-probs, and is kept for the loss.
+    Several: the log-probs are forwards without grad, one per micro-batch, only where they are needed; the loss
+    runs each micro-batch's forward with grad, and differentiates every micro-batch but the last at once
+    (``backward_early``: :class:`GradientStash`), so that one micro-batch's graph is alive at a time.
+
+    Args:
+        forward: ``forward(rows, with_entropy)``: ``(logp [b, T], entropy [b, T] or None)`` of ``rows`` under the
+            policy, with grad where grad is on.
+        rows: the micro-batches (:func:`micro_batches`).
+        timer: the module's :class:`~rloo_lightning.runtime.timing.PhaseTimer`: ``update_forward`` (each forward
+            and loss of :meth:`loss`) and ``update_backward`` (the early backwards).
+    """
+
+    def __init__(self, forward: Callable[[slice, bool], tuple[Tensor, Tensor | None]], rows: list[slice],
+                 timer) -> None:
+        self.forward, self.rows, self.timer = forward, rows, timer
+        self._kept: tuple[Tensor, Tensor | None] | None = None  # one micro-batch: its forward, with grad
+
+    def detached_logprobs(self, needed: bool) -> Tensor | None:
+        """``[B, T]`` the policy's log-probs of the whole rollout, detached; None when not ``needed`` and the rollout
+        has several micro-batches (one micro-batch runs its forward here whatever ``needed``: the loss uses it)."""
+        if len(self.rows) == 1:
+            self._kept = self.forward(self.rows[0], True)
+            return self._kept[0].detach()
+        if not needed:
+            return None
+        with torch.no_grad():
+            return torch.cat([self.forward(r, False)[0] for r in self.rows])
+
+    def loss(self, policy_loss, rollout: Rollout, advantages: Tensor, denominators: dict, beta: Tensor,
+             backward_early: Callable[[Tensor], None]) -> tuple[Tensor, Tensor | None, dict]:
+        """``(loss, entropy [B, T], clip statistics)``: the last micro-batch's loss for Lightning's backward plus
+        the others' values (detached), so that the logged loss is the rollout's.
+
+        Args:
+            policy_loss: a :class:`~rloo_lightning.algo.losses.PolicyLoss`.
+            advantages: ``[B]`` or ``[B, T]``, as the loss takes them.
+            denominators: :func:`loss_denominators`, fixed over the whole rollout and every rank.
+        """
+        loss_mask = rollout.loss_mask
+        clip_stats, entropies, earlier = {}, [], None
+        for i, r in enumerate(self.rows):
+            with self.timer("update_forward"):
+                logp, entropy = self._kept if self._kept is not None else self.forward(r, True)
+                loss, stats = policy_loss(
+                    logp, loss_mask[r], advantages[r], denominators,
+                    None if rollout.old_logp is None else rollout.old_logp[r],
+                    None if rollout.ref_logp is None else rollout.ref_logp[r], beta)
+            for name, (total, count) in stats.items():
+                s, n = clip_stats.get(name, (0.0, 0.0))
+                clip_stats[name] = (s + total, n + count)
+            entropies.append(entropy)
+            if i < len(self.rows) - 1:
+                with self.timer("update_backward"):
+                    backward_early(loss)
+                earlier = loss.detach() if earlier is None else earlier + loss.detach()
+        entropy = torch.cat(entropies) if entropies[0] is not None else None
+        return (loss if earlier is None else loss + earlier), entropy, clip_stats
 
 
 class RolloutReuse:
@@ -136,7 +204,7 @@ class NonFiniteGuard:
         if nonempty:
             # Each tensor's max-abs norm, one fused op for all of them (not two ops a tensor): it is inf or NaN
             # iff some element is, and a finite tensor never overflows it (a sum or a 2-norm could).
-            norms = torch._foreach_norm(nonempty, ord=float("inf"))
+            norms = framework.foreach_norm(nonempty, ord=float("inf"))
             ok = torch.stack([n.float() for n in norms]).isfinite().all().float()
         else:
             ok = torch.ones((), device=tensors[0].device)

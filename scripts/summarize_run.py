@@ -15,25 +15,24 @@ TRAIN = ["train/reward", "train/completion_length", "train/clipped_ratio", "trai
 
 
 def summarize(log_dir: str, window: int = 10) -> dict:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from rloo_lightning.runtime.tensorboard_logs import read_events
 
-    acc = EventAccumulator(log_dir, size_guidance={"scalars": 0})
-    acc.Reload()
-    tags = set(acc.Tags()["scalars"])
+    scalars = read_events(log_dir)
+    tags = set(scalars)
     out: dict = {"log_dir": log_dir}
     for tag in sorted(t for t in tags if t.startswith("val/")):
-        out[tag] = [(e.step, round(e.value, 4)) for e in acc.Scalars(tag)]
+        out[tag] = [(e.step, round(e.value, 4)) for e in scalars[tag]]
     for tag in TRAIN:
         if tag not in tags:
             continue
-        events = acc.Scalars(tag)
+        events = scalars[tag]
         last = events[-1].step
         first_vals = [e.value for e in events if e.step < window]
         last_vals = [e.value for e in events if e.step > last - window]
         out[tag] = {f"mean_steps_0_{window - 1}": round(statistics.fmean(first_vals), 4),
                     f"mean_steps_{last - window + 1}_{last}": round(statistics.fmean(last_vals), 4)}
     if "train/reward" in tags:
-        times = [e.wall_time for e in acc.Scalars("train/reward")]
+        times = [e.wall_time for e in scalars["train/reward"]]
         gaps = [b - a for a, b in zip(times, times[1:])]
         out["steps"] = len(times)
         out["median_step_s"] = round(statistics.median(gaps), 2) if gaps else None

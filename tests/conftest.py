@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -17,64 +18,44 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-# xdist (`--dist loadfile`, pyproject's addopts): which file a worker gets next, and when. Left alone, xdist hands
-# out the files with the most tests first, which puts the few-test files that run longest (a module fixture of
-# distributed runs, a 135M model) last; and it hands a worker its next file as soon as the worker has 2 tests
-# left, so a worker busy with a 2-test file of 80 s also takes the next file, which the other worker, free
-# sooner, could have run. At the end one worker runs alone while the other has nothing left. Instead:
-# * the most costly file first (longest processing time first), by the rough costs below: seconds of one worker
-#   on 2 idle cores (a run's `--durations` summed per file, rounded). A file not listed counts as light and
-#   keeps xdist's order (most tests first) after the listed ones. Rough is enough: the order matters, not the
-#   figures;
-# * a worker gets its next file only once it has 1 test left: that test waits for the next one to be known (for
-#   the teardown of its fixtures), so it is when the worker has nothing else to run.
+# xdist (pyproject's addopts: `-n auto --dist loadfile --no-loadscope-reorder`) gives each worker whole files, in
+# the order collected, the next one as soon as the worker has 2 tests left. Left to its own order (the files with
+# the most tests first), the few-test files that run longest (a module fixture of distributed runs, a 135M model)
+# would come last, one worker running alone at the end while the other has nothing left. So under xdist the files
+# are collected most costly first (longest processing time first), by the rough costs below: seconds of one worker
+# on 2 idle cores (a run's `--durations` summed per file, rounded). A file not listed counts as light and comes
+# after the listed ones, the files with the most tests first. Rough is enough: the order matters, not the figures.
+# `-n 0` keeps the files in their own order.
 FILE_COST_S = {
-    "test_stop_signal.py": 140,
-    "test_reliability.py": 125,
+    "test_runtime_sigterm.py": 140,
+    "test_resume.py": 95,
     "test_studies.py": 90,
-    "test_stop_signal_ranks.py": 80,
-    "test_final_checkpoint.py": 80,
-    "test_gguf.py": 80,
-    "test_sharded.py": 60,
+    "test_runtime_sigterm_ranks.py": 80,
+    "test_callbacks_final_checkpoint.py": 80,
+    "test_models_gguf.py": 80,
+    "test_models_sharding_runs.py": 60,
     "test_dynamic_sampling.py": 60,
-    "test_multiturn_runs.py": 55,
-    "test_cache_integrity.py": 40,
-    "test_checkpoint_atomic.py": 40,
+    "test_cli_multiturn.py": 55,
+    "test_verify_exactness.py": 55,
+    "test_data_cache_integrity.py": 40,
     "test_readme_figures.py": 40,
-    "test_readme_walk.py": 35,
-    "test_console.py": 35,
+    "test_docs_readme_walk.py": 35,
+    "test_runtime_atomic_checkpoint.py": 35,
+    "test_update_nonfinite_guard_runs.py": 30,
+    "test_runtime_console_runs.py": 30,
     "test_cli_output.py": 30,
-    "test_options.py": 25,
+    "test_config.py": 25,
     "test_cli.py": 20,
-    "test_rewards.py": 20,
+    "test_rewards_workers.py": 15,
 }
 
 
-@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: no error where it is not installed
-def pytest_xdist_make_scheduler(config, log):
-    if config.getvalue("dist") != "loadfile":
-        return None  # xdist's own scheduler
-    from xdist.scheduler import LoadFileScheduling
-
-    class CostlyFileFirst(LoadFileScheduling):
-        def _assign_work_unit(self, node):
-            # the files not handed out yet, in xdist's order (most tests first): the most costly goes to the front
-            # (max keeps the first of equals), and xdist hands the front one to this worker
-            name = max(self.workqueue, key=lambda scope: FILE_COST_S.get(scope.rsplit("/", 1)[-1], 0))
-            self.workqueue.move_to_end(name, last=False)
-            super()._assign_work_unit(node)
-
-        def _reschedule(self, node):
-            # LoadScopeScheduling's, with 1 test left instead of 2 before a worker gets its next file
-            if node.shutting_down:
-                return
-            if not self.workqueue:
-                node.shutdown()
-                return
-            if self._pending_of(self.assigned_work[node]) <= 1:
-                self._assign_work_unit(node)
-
-    return CostlyFileFirst(config, log)
+def pytest_collection_modifyitems(config, items):
+    """Under xdist: the most costly files first (see FILE_COST_S); each file's tests keep their order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    tests = collections.Counter(item.path.name for item in items)
+    items.sort(key=lambda item: (-FILE_COST_S.get(item.path.name, 0), -tests[item.path.name]))  # a stable sort
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,9 +1,10 @@
 """The tests' way to the studies' and benchmarks' scripts (``experiments/<study>/*.py``, ``benchmarks/*.py``).
 
-* :func:`load_script`: a script as a module, by its file (the experiments are folders of scripts, not packages, and
-  no test puts a folder on ``sys.path``). An experiment is kept in ``sys.modules`` under its file's stem, as
-  ``benchmarks.bench_common.experiment_script`` keeps it, so a study that a test loads and one that another study
-  loads are one module; a benchmark under ``benchmarks.<stem>``, the name its package gives it.
+* :func:`load_script`: a script as a module. The benchmarks and the studies are packages of the repository's root
+  (``benchmarks``, ``experiments.<study>``; pytest's ``pythonpath`` puts the root on ``sys.path``): a script is
+  imported under its dotted name, the one it runs as (``python -m experiments.learning_parity.learning_parity``)
+  and the one another study imports it by, so that all of them are one module. A script outside them
+  (``scripts/*.py``) is loaded from its file under its stem.
 * :class:`InProcess`: ``subprocess.run`` for what a study starts (the CLI, its own script, ``python -c``), run in this
   process, in the command's working directory and environment: a subprocess costs several seconds of imports, and a
   smoke test of a study needs its logic, not a process of its own.
@@ -29,7 +30,9 @@ __all__ = ["REPO", "load_script", "InProcess"]
 def load_script(relative: str):
     """``relative`` (e.g. ``experiments/learning_parity/learning_parity.py``) as a module, loaded once."""
     path = (REPO / relative).resolve()
-    name = f"benchmarks.{path.stem}" if path.parent.name == "benchmarks" else path.stem
+    if (path.parent / "__init__.py").exists():  # a package's module: experiments.learning_parity.learning_parity
+        return importlib.import_module(".".join(path.relative_to(REPO).with_suffix("").parts))
+    name = path.stem
     module = sys.modules.get(name)
     if module is not None and Path(getattr(module, "__file__", "") or "").resolve() == path:
         return module
@@ -46,11 +49,11 @@ def load_script(relative: str):
 
 class InProcess:
     """A stand-in for ``subprocess.run`` that runs, in this process, ``python -m rloo_lightning ...`` and
-    ``rloo-lightning ...`` (:func:`rloo_lightning.cli.main`), ``python <one of scripts> ...`` (its ``main``) and
-    ``python -c CODE``; any other command runs for real. The command's ``cwd`` and ``env`` apply while it runs, and
-    what a run changes for the whole process (the working directory, the environment, ``sys.path``, torch's thread
-    count, the SIGTERM handler and the warnings' display the CLI installs) is put back after it. ``commands`` lists
-    what ran here."""
+    ``rloo-lightning ...`` (:func:`rloo_lightning.cli.main`), ``python <one of scripts> ...`` and ``python -m <one of
+    scripts' names> ...`` (its ``main``) and ``python -c CODE``; any other command runs for real. The command's
+    ``cwd`` and ``env`` apply while it runs, and what a run changes for the whole process (the working directory, the
+    environment, ``sys.path``, torch's thread count, the SIGTERM handler and the warnings' display the CLI installs)
+    is put back after it. ``commands`` lists what ran here."""
 
     def __init__(self, scripts=()) -> None:
         self.scripts = {Path(m.__file__).resolve(): m for m in scripts}
@@ -71,6 +74,9 @@ class InProcess:
             return _cli, cmd[3:]
         if cmd[1] == "-c":
             return (lambda args: exec(args[0], {"__name__": "__main__"})), cmd[2:]
+        if cmd[1] == "-m":
+            script = next((m for m in self.scripts.values() if m.__name__ == cmd[2]), None)
+            return (script.main, cmd[3:]) if script is not None else (None, None)
         script = self.scripts.get(Path(cmd[1]).resolve())
         return (script.main, cmd[2:]) if script is not None else (None, None)
 

@@ -314,7 +314,7 @@ def test_cli_fit_output_has_no_adverts_or_warnings_and_a_step_bar(runs):
     assert "LeafSpec" not in text and "Loading weights" not in text, text
     assert "Failed to load" not in text and "Enum subclass" not in text, text  # torchao, imported by transformers
     assert "v_num" not in text and "Epoch 0/" not in text, text
-    # stdout is a file: the step bar is plain lines (tests/test_console.py), the last one at max_steps
+    # stdout is a file: the step bar is plain lines (tests/test_runtime_console.py), the last one at max_steps
     last = [line for line in run.stdout.splitlines() if line.startswith("train step ")][-1]
     assert last.startswith("train step 3/3 | ") and " | done in " in last, last
     assert "| reward " in last and "| kl " in last and "| val_reward " in last, last

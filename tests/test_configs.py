@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_harness import CLI, CONFIGS, TESTS, Proc, make_env
+from cli_harness import CLI, CONFIGS, HELPERS_DIR, Proc, make_env
 
 pytestmark = pytest.mark.slow  # two subprocesses, started together
 
@@ -48,7 +48,7 @@ def printed(tmp_path_factory, _cache_dir) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("print_config")
     others = [p for p in YAMLS if p != BASE]
     base = Proc("base", [*COMMAND, *_args(BASE)], root, env, timeout=300)
-    rest = Proc("rest", [sys.executable, str(TESTS / "print_configs.py"), json.dumps([_args(p) for p in others])],
+    rest = Proc("rest", [sys.executable, str(HELPERS_DIR / "print_configs.py"), json.dumps([_args(p) for p in others])],
                 root, env, timeout=300)
     base.wait()
     rest.check()

@@ -1,6 +1,6 @@
 """PromptDataModule on every local format, chat templates, long prompts and the split.
 
-Complements tests/test_data.py (which covers .jsonl/.json basics, collate and the generic errors).
+Complements tests/test_data_module.py (which covers .jsonl/.json basics, collate and the generic errors).
 """
 
 from __future__ import annotations

@@ -116,7 +116,8 @@ def test_extra_prompts_are_drawn_again_on_resume(tiny_model_dir, tmp_path):
 def test_dynamic_sampling_under_ddp_keeps_ranks_in_step(tmp_path, tiny_model_dir, _cache_dir):
     """Ranks needing different numbers of rounds all take part in each round (no hang, same step count)."""
     from cli_harness import make_env, start_cli
-    from test_reliability import _fit_args, _scalars
+    from rloo_lightning.runtime.tensorboard_logs import read_scalars
+    from run_helpers import _fit_args
 
     args = _fit_args(tmp_path, tiny_model_dir, 3, "--trainer.strategy", "ddp", "--trainer.devices", "2",
                      "--data.num_train_rows", "32", "--model.dynamic_sampling.enabled", "true",
@@ -124,6 +125,6 @@ def test_dynamic_sampling_under_ddp_keeps_ranks_in_step(tmp_path, tiny_model_dir
                      "--model.rewards.funcs", "[reward_helpers.coarse_length]")
     run = start_cli("ddp_dynamic", args, tmp_path, make_env(_cache_dir), timeout=240).wait()
     assert run.rc == 0, run.explain()
-    scalars = _scalars(tmp_path / "lightning_logs" / "version_0")
+    scalars = read_scalars(tmp_path / "lightning_logs" / "version_0")
     assert sorted(scalars["train/dynamic_sampling_rounds"]) == [0, 1, 2]
     assert all(0 <= v <= 1 for v in scalars["train/informative_groups"].values())

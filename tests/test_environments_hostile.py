@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from test_multiturn import _prompts, _scripted_generate, _tokenizer
+from test_environments_episodes import _prompts, _scripted_generate, _tokenizer
 from test_multiturn_module import GUESS, _guess_batch, _module
 
 from rloo_lightning import RLOOModule
@@ -419,7 +419,7 @@ def test_data_tools_that_differ_from_the_environments_tools_are_refused_before_t
 def test_tool_calls_of_concurrent_episodes_share_the_worker_safely():
     """environment.workers = 4 with a tool worker process: the calls queue for the one worker; transcripts are
     those of a serial run."""
-    from test_tools import _call, _tool_module
+    from test_environments_tools import _call, _tool_module
 
     turns = [_call("calculator", expression="6*7"), _call("calculator", expression="2**10"), "42"]
     runs = []

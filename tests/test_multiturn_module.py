@@ -360,9 +360,9 @@ def test_the_readme_environment_runs_as_written(tiny_model_dir, tmp_path, monkey
     assert set(rollout.scores) == {"reward", "environment"} and rollout.episodes.turns.max() == 2
 
 
-def test_a_stored_rollout_of_the_earlier_flat_layout_is_read():
-    # A checkpoint taken between two updates on one rollout stores its fields; one written before the episode fields
-    # were grouped (and shaped_rewards renamed) still resumes.
+def test_a_stored_rollout_round_trips():
+    # A checkpoint taken between two updates on one rollout stores its fields (dataclasses.asdict, as RolloutReuse
+    # stores them): a multi-turn rollout's episodes and a single-turn one's None both come back.
     import dataclasses
 
     from rloo_lightning.rollout import Episodes, Rollout
@@ -370,16 +370,12 @@ def test_a_stored_rollout_of_the_earlier_flat_layout_is_read():
     ids = torch.tensor([[5, 6], [7, 8]])
     common = dict(k=2, prompt_ids=ids, prompt_mask=torch.ones(2, 2), completion_ids=ids,
                   completion_mask=torch.ones(2, 2), truncated=torch.tensor([False, True]), prompts=["p", "p"],
-                  completions=["a", "b"])
-    old = {**common, "shaped_rewards": torch.tensor([0.5, 1.0]), "context_mask": torch.ones(2, 2),
-           "final_turn_ids": [[6], [8]], "env_rewards": torch.tensor([1.0, 0.0]), "turns": torch.tensor([1, 2]),
-           "env_metrics": {}, "cut_by": ["none", "max_turns"]}
-    rollout = Rollout.from_state(old)
-    assert rollout.baseline_rewards.tolist() == [0.5, 1.0] and rollout.episodes.cut_by == ["none", "max_turns"]
+                  completions=["a", "b"], baseline_rewards=torch.tensor([0.5, 1.0]))
+    episodes = Episodes(context_mask=torch.ones(2, 2), final_turn_ids=[[6], [8]], rewards=torch.tensor([1.0, 0.0]),
+                        turns=torch.tensor([1, 2]), metrics={}, cut_by=["none", "max_turns"])
+    rollout = Rollout.from_state(dataclasses.asdict(Rollout(**common, episodes=episodes)))
+    assert isinstance(rollout.episodes, Episodes) and rollout.baseline_rewards.tolist() == [0.5, 1.0]
+    assert rollout.episodes.cut_by == ["none", "max_turns"] and torch.equal(rollout.episodes.turns, episodes.turns)
     assert rollout.episodes.rewards.tolist() == [1.0, 0.0] and rollout.completion_token_lists() == [[6], [8]]
-    single = Rollout.from_state({**common, "shaped_rewards": None, "context_mask": None, "final_turn_ids": None,
-                                 "env_rewards": None, "turns": None, "env_metrics": {}, "cut_by": None})
+    single = Rollout.from_state(dataclasses.asdict(Rollout(**common)))
     assert single.episodes is None and single.missing_eos.tolist() == [False, True]
-    # and the current layout round-trips through dataclasses.asdict, as RolloutReuse stores it
-    again = Rollout.from_state(dataclasses.asdict(rollout))
-    assert isinstance(again.episodes, Episodes) and torch.equal(again.episodes.turns, rollout.episodes.turns)

@@ -43,7 +43,7 @@ def _script_module():
 def _readme_table() -> str:
     """The study's quickstart block: the "Produced by" line and the table under it, as written."""
     lines = README.read_text().splitlines()
-    marker = "python experiments/quickstart_trajectory/quickstart_trajectory.py --markdown"
+    marker = "python -m experiments.quickstart_trajectory.quickstart_trajectory --markdown"
     start = next((i for i, line in enumerate(lines) if marker in line and line.startswith("Produced by")), None)
     if start is None:
         return f"(no 'Produced by `{marker}`' line in {README.relative_to(REPO)})"

@@ -69,10 +69,10 @@ class _TimedModule(RLOOModule):
             return super().training_step(batch, batch_idx)
 
 
-def _fit(model_dir: str, module_cls, callback: StepTimer, steps: int = 2) -> None:
+def _fit(model_dir: str, module_cls, callback: StepTimer, steps: int = 2, **options) -> None:
     module = module_cls(model_dir, rewards={"funcs": ["rloo_lightning.tasks.reverse.reward"]},
                         sampling={"k": 2, "max_new_tokens": 4}, kl={"beta": 0.05}, validation={"at_start": False},
-                        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
+                        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), **options)
     data = PromptDataModule(tokenizer_name_or_path=model_dir, task="reverse", batch_size=4, num_train_rows=32,
                             num_val_rows=4, max_new_tokens=4)
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
@@ -102,3 +102,15 @@ def test_step_timer_reads_the_module_phase_timer(tmp_path, tiny_model_dir):
     for s in steps:
         assert "test_step" in s["phases"]
         assert 0 < s["phases"]["test_step"] <= s["total_s"]
+
+
+def test_the_module_times_each_part_of_its_step(tmp_path, tiny_model_dir):
+    """``run.time_phases``: a phase per part of the step; with several micro-batches, the backwards of every
+    micro-batch but the last are a phase of their own (the last one's is Lightning's: the step timer's
+    ``backward_s``)."""
+    path = tmp_path / "steps.json"
+    _fit(tiny_model_dir, RLOOModule, StepTimer(str(path)), run={"time_phases": True}, update={"micro_batch_size": 2})
+    for s in json.loads(path.read_text())["steps"]:
+        assert set(s["phases"]) == {"generation", "reward", "policy_logprobs", "reference", "update_forward",
+                                    "update_backward"}
+        assert all(seconds > 0 for seconds in s["phases"].values())

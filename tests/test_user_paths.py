@@ -249,7 +249,7 @@ def test_module_watches_for_steps_without_signal(tiny_model_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["--model.rewards.workers", "1"]], ids=["in_process", "workers"])
 def test_cli_reward_file_in_working_directory(tmp_path, extra, _cache_dir):
-    """Under DDP (rank 1 re-runs the command): ``test_reliability.test_ddp_cli_fit_runs_to_completion``."""
+    """Under DDP (rank 1 re-runs the command): ``test_resume.test_ddp_cli_fit_runs_to_completion``."""
     from cli_harness import CLI, CONFIGS, Proc, entry_point, make_env
 
     (tmp_path / "myreward.py").write_text(

@@ -1,10 +1,10 @@
 """The paper's ablations (Ahmadian et al. 2024, Table 1) on the embedded `reverse` task, at an equal sample budget.
 
-    python experiments/ablations/ablations.py [--seeds 0 1 2] [--steps 400] [--completions 64] [--jobs 2]
+    python -m experiments.ablations.ablations [--seeds 0 1 2] [--steps 400] [--completions 64] [--jobs 2]
         [--threads 1] [--runs rloo_k2 rloo_k4 ...] [--out experiments/ablations/ablations] [-- extra CLI args]
 
-Reads TensorBoard scalars as experiments/quickstart_seeds/quickstart_seeds.py does. 18 fits of 400 steps: 31 min
-measured on 2 busy cores (load 4-8 from other jobs), ~10 min estimated on idle ones.
+Reads TensorBoard scalars as experiments/quickstart_seeds/quickstart_seeds.py does. 18 fits of 400 steps (their wall
+time, measured: see experiments/ablations/README.md).
 
 Every run is `rloo-lightning fit --config configs/quickstart.yaml` with overrides, one CLI subprocess each:
 
@@ -25,8 +25,8 @@ and `data.seed` are all set to the seed.
 Writes `<out>.json` (curves, final values, mean +- std over seeds, commands, wall time) and `<out>.png`
 (`--plot RECORD` redraws the figure of a record without running anything).
 Defaults: two fits at a time (`--jobs 2`), one torch thread each (`--threads 1`, OMP/MKL_NUM_THREADS; 0 = torch's
-default). Measured here (2 cores, busy): 2 x 60-step fits took 264 s that way against 771 s one at a time with
-torch's default threads, with identical val/reward values (a fit's result did not depend on its thread count there).
+default): faster than one at a time with torch's default threads, with identical val/reward values (measured: see
+experiments/ablations/README.md).
 """
 
 from __future__ import annotations
@@ -45,11 +45,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from benchmarks.bench_common import scalar_curves
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-if str(ROOT) not in sys.path:  # the shared helpers are the package benchmarks/ at the repository's root
-    sys.path.insert(0, str(ROOT))
-from benchmarks.bench_common import scalar_curves  # noqa: E402
 
 CONFIG = ROOT / "configs" / "quickstart.yaml"
 

@@ -5,9 +5,9 @@ Every draw is ``-grad`` of ``RLOOModule.training_step``'s loss on the enumerable
 and loss); the z-test compares the draws' mean with the exact ``grad J``. Prints one JSON object (``--out``
 writes it too), then a markdown table. Reproduce this folder's README.md:
 
-    python experiments/exactness/exactness.py            # about 7 minutes on 2 CPU cores
-    python experiments/exactness/exactness.py --quick    # 5x fewer draws
-    python experiments/exactness/exactness.py --corrections-only --out experiments/exactness/exactness_corrections.json
+    python -m experiments.exactness.exactness            # the full table (its wall time: see the README)
+    python -m experiments.exactness.exactness --quick    # 5x fewer draws
+    python -m experiments.exactness.exactness --corrections-only --out experiments/exactness/exactness_corrections.json
         # the importance corrections' table
 """
 

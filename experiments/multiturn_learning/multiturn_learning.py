@@ -1,8 +1,9 @@
 """Does multi-turn RLOO learn to use an environment's reply? The embedded ``guess`` task, over seeds.
 
-    cd experiments/multiturn_learning
-    python multiturn_learning.py --out multiturn.json          # 3 seeds x 3 arms, ~20 min on 2 cores
-    python multiturn_learning.py --markdown multiturn.json     # the table of this folder's README
+    python -m experiments.multiturn_learning.multiturn_learning --out RECORD        # 3 seeds x 3 arms
+    python -m experiments.multiturn_learning.multiturn_learning --markdown RECORD   # the table of the README
+
+(from the repository's root; this folder's record is ``multiturn.json``, its wall time in its README)
 
 Three arms per seed, each the unchanged ``configs/multiturn.yaml`` run through the CLI (only the named options
 change), with the seed in ``seed_everything``, ``model.sampling.seed`` and ``data.seed``:
@@ -30,10 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.bench_common import emit_json
+
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # the shared helpers are the package benchmarks/ at the repository's root
-    sys.path.insert(0, str(ROOT))
-from benchmarks.bench_common import emit_json, tensorboard_scalars  # noqa: E402
 
 CONFIG = ROOT / "configs" / "multiturn.yaml"
 ARMS = {
@@ -47,6 +47,8 @@ ARMS = {
 
 
 def run(arm: str, seed: int, env: dict, extra: list[str] = ()) -> dict:
+    from rloo_lightning.runtime.tensorboard_logs import read_scalars  # here: this process runs no model
+
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "rloo_lightning", "fit", "--config", str(CONFIG), "--seed_everything", str(seed),
                "--model.sampling.seed", str(seed), "--data.seed", str(seed), "--trainer.default_root_dir", tmp,
@@ -54,7 +56,7 @@ def run(arm: str, seed: int, env: dict, extra: list[str] = ()) -> dict:
         start = time.perf_counter()
         subprocess.run(cmd, check=True, cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wall = time.perf_counter() - start
-        s = tensorboard_scalars(Path(tmp) / "lightning_logs" / "version_0")
+        s = read_scalars(Path(tmp) / "lightning_logs" / "version_0")
     val = s["val/reward"]
     tokens_tag = "train/policy_tokens" if "train/policy_tokens" in s else "train/completion_length"
     episodes = 16 * 4  # data.batch_size x sampling.k of the config

@@ -1,6 +1,6 @@
 """Repeat the quickstart for several seeds; print each seed's step-0 and final val/reward as JSON.
 
-    python experiments/quickstart_seeds/quickstart_seeds.py [--seeds 0 1 2] [--out PATH] [-- extra CLI args]
+    python -m experiments.quickstart_seeds.quickstart_seeds [--seeds 0 1 2] [--out PATH] [-- extra CLI args]
 
 Each run is the unchanged `configs/quickstart.yaml` with `seed_everything`, `model.sampling.seed` and
 `data.seed` set to the seed. Writes `<out>.json` (each seed's validation curves, step-0 and final `val/reward`,
@@ -18,11 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.bench_common import record_json, scalar_curves
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-if str(ROOT) not in sys.path:  # the shared helpers are the package benchmarks/ at the repository's root
-    sys.path.insert(0, str(ROOT))
-from benchmarks.bench_common import record_json, scalar_curves  # noqa: E402
 
 TAGS = ["val/reward", "val/reward_greedy"]  # what the table and the figure read
 

@@ -1,9 +1,9 @@
 """Run the unchanged quickstart once (fresh model cache) and record every logged scalar at full precision.
 
-    python experiments/quickstart_trajectory/quickstart_trajectory.py --out RECORD      # record a trajectory
-    python experiments/quickstart_trajectory/quickstart_trajectory.py --compare RECORD  # against a record, e.g.
+    python -m experiments.quickstart_trajectory.quickstart_trajectory --out RECORD      # record a trajectory
+    python -m experiments.quickstart_trajectory.quickstart_trajectory --compare RECORD  # against a record, e.g.
         # experiments/quickstart_trajectory/quickstart_trajectory.json (this folder's)
-    python experiments/quickstart_trajectory/quickstart_trajectory.py --markdown
+    python -m experiments.quickstart_trajectory.quickstart_trajectory --markdown
 
 Also prints ``fit_wall_s``, the wall time of the whole ``fit`` (start-up and model build included).
 ``--compare`` runs it again and reports, per tag, the largest absolute difference at any logged step
@@ -93,7 +93,7 @@ def markdown_table(curves: dict[str, list[list[float]]], version: str, cpu: str)
     tags = [t for t in VAL_TAGS if t in curves]
     steps = [int(s) for s, _ in curves[tags[0]]]
     values = {t: {int(s): v for s, v in curves[t]} for t in tags}
-    lines = [f"Produced by `python experiments/quickstart_trajectory/quickstart_trajectory.py --markdown` at "
+    lines = [f"Produced by `python -m experiments.quickstart_trajectory.quickstart_trajectory --markdown` at "
              f"rloo_lightning {version} "
              f"(seed 0, fresh model cache, an x86-64 CPU: {cpu}):",
              "",

@@ -2,7 +2,7 @@
 ``sample`` and ``score``) against TRL's ``RLOOTrainer`` (its data loader, ``_generate``, its reward call on its own
 decoded text). Prints one JSON object.
 
-    python experiments/rollout_stats/rollout_stats.py --hf-dir DIR [--batches 40] [--seed 0] [--weights CKPT] \
+    python -m experiments.rollout_stats.rollout_stats --hf-dir DIR [--batches 40] [--seed 0] [--weights CKPT] \
         [--out FILE]
 
 ``experiments/trl_parity/parity_trajectory.py`` shows that the two trainers make the same model from the same rollouts,
@@ -20,15 +20,9 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # the shared helpers are the package benchmarks/ at the repository's root
-    sys.path.insert(0, str(ROOT))
-from benchmarks.bench_common import experiment_script  # noqa: E402
 
 
 def batch_stats(rewards: list[float], lengths: list[int], truncated: list[bool], k: int) -> dict:
@@ -80,9 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    lp = experiment_script("learning_parity/learning_parity.py")
+    from experiments.learning_parity import learning_parity as lp
     _hyper, trl_config = lp._hyper, lp.trl_config
-    fed = experiment_script("trl_parity/parity_fed_steps.py")
+    from experiments.trl_parity import parity_fed_steps as fed
     ours_sampler = fed.ours_sampler
     from transformers import set_seed
     from trl import RLOOTrainer

@@ -1,7 +1,7 @@
 """Do ``DecodeLoopEngine`` and HF ``generate`` sample the same distribution on SmolLM2 at T = 0.7?
 
-    python experiments/sampler_checks/sampler_compare.py HF_DIR [ROUNDS] [--out FILE]    # prints one JSON object
-    python experiments/sampler_checks/sampler_compare.py HF_DIR --first-token-draws 8192  # the goodness-of-fit test
+    python -m experiments.sampler_checks.sampler_compare HF_DIR [ROUNDS] [--out FILE]    # prints one JSON object
+    python -m experiments.sampler_checks.sampler_compare HF_DIR --first-token-draws 8192  # the goodness-of-fit test
 
 One batch of 4 arithmetic prompts, 16 samples each, ``ROUNDS`` seeds (default 3) per engine: the per-token
 log-prob and entropy along the sampled trajectories (scored by the training forward at the temperature), the

@@ -2,7 +2,7 @@
 completion? Its own generation config, on the learning-parity hyperparameters (SmolLM2, arithmetic). Prints one
 JSON object.
 
-    python experiments/sampler_checks/trl_sampler_check.py --hf-dir DIR [--rows 16] [--seed 0] [--out FILE]
+    python -m experiments.sampler_checks.trl_sampler_check --hf-dir DIR [--rows 16] [--seed 0] [--out FILE]
 
 An ``RLOOTrainer`` is built as ``experiments/learning_parity/learning_parity.py`` builds it, and the policy generates
 completions of ``--rows`` training prompts with ``trainer.generation_config``, as TRL's ``_generate`` calls ``generate``
@@ -18,14 +18,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 import tempfile
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # the shared helpers are the package benchmarks/ at the repository's root
-    sys.path.insert(0, str(ROOT))
-from benchmarks.bench_common import experiment_script  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -40,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    lp = experiment_script("learning_parity/learning_parity.py")
+    from experiments.learning_parity import learning_parity as lp
     _hyper, trl_config = lp._hyper, lp.trl_config
     from trl import RLOOTrainer
 

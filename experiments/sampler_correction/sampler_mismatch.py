@@ -1,8 +1,8 @@
 """Fast samplers that are not pi_theta: generation speed, mismatch, and learning with and without correction.
 
-    python experiments/sampler_correction/sampler_mismatch.py speed --model tiny     # the quickstart's rollout shape
-    python experiments/sampler_correction/sampler_mismatch.py speed --model smollm2  # SmolLM2-135M (GGUF)
-    python experiments/sampler_correction/sampler_mismatch.py learn --seeds 0 1 2    # quickstart fits
+    python -m experiments.sampler_correction.sampler_mismatch speed --model tiny     # the quickstart's rollout shape
+    python -m experiments.sampler_correction.sampler_mismatch speed --model smollm2  # SmolLM2-135M (GGUF)
+    python -m experiments.sampler_correction.sampler_mismatch learn --seeds 0 1 2    # quickstart fits
 
 ``speed``: for each engine (the fp32 policy's own ``generate``, the bf16 copy, the int8 copy), the median
 wall time of one rollout over ``--reps`` interleaved repetitions; ``fp32-plain`` is the default engine,
@@ -28,8 +28,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # the shared helpers are the package benchmarks/ at the repository's root
-    sys.path.insert(0, str(ROOT))
 
 ENGINES = {
     "fp32-plain": None,  # the default engine: the policy's own generate, no log-probs (the training default)

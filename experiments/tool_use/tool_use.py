@@ -2,7 +2,7 @@
 a short supervised warm start on the call format, and a short RLOO run with the tool from that warm start
 (``configs/smollm2_tools.yaml``).
 
-    python experiments/tool_use/tool_use.py --hf-dir DIR --out experiments/tool_use/tools.json --workdir W \
+    python -m experiments.tool_use.tool_use --hf-dir DIR --out experiments/tool_use/tools.json --workdir W \
         [--rows 200] [--steps 30] [-- extra CLI args for every fit and predict]
 
 ``DIR`` is SmolLM2-135M-Instruct as a Hugging Face folder (``benchmarks/bench.py``'s preparation, or
@@ -33,10 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.bench_common import emit_json
+
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # the shared helpers are the package benchmarks/ at the repository's root
-    sys.path.insert(0, str(ROOT))
-from benchmarks.bench_common import emit_json, tensorboard_scalars  # noqa: E402
 
 CONFIG = ROOT / "configs" / "smollm2_tools.yaml"
 # without the tool: no environment, no schemas, no system prompt (it shows a call) -- the plain arithmetic prompt
@@ -202,7 +201,9 @@ def main(argv: list[str] | None = None) -> None:
         ckpt = next((work / "fit").glob("lightning_logs/version_*/checkpoints/last.ckpt"))
     else:
         results["fit_wall_s"] = previous.get("fit_wall_s")
-    results["train"] = {k: v for k, v in tensorboard_scalars(ckpt.parents[1]).items()
+    from rloo_lightning.runtime.tensorboard_logs import read_scalars  # here: this process runs no model
+
+    results["train"] = {k: v for k, v in read_scalars(ckpt.parents[1]).items()
                         if k in ("train/reward", "train/tool_calls", "train/tool_errors", "train/turns")}
     trained = ["--ckpt_path", str(ckpt), *model(start)]
     evaluate("rl_tool", trained, True)

@@ -2,7 +2,7 @@
 the learning-parity hyperparameters): each trainer's own loop, optimizer and schedule; the weights compared
 after every step. Prints one JSON object.
 
-    python experiments/trl_parity/parity_fed_steps.py --hf-dir DIR [--steps 8] [--seed 0] [--out FILE]
+    python -m experiments.trl_parity.parity_fed_steps --hf-dir DIR [--steps 8] [--seed 0] [--out FILE]
 
 ``experiments/trl_parity/parity_one_step.py`` compares one update; Adam's first step is ``g / |g|`` per coordinate,
 blind to the gradient's scale, so a difference that builds up over steps (the optimizer's state, the schedule,
@@ -23,10 +23,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # the shared helpers are the package benchmarks/ at the repository's root
-    sys.path.insert(0, str(ROOT))
-from benchmarks.bench_common import experiment_script  # noqa: E402
 
 STATE: dict = {}  # the stored rollouts, the initial weights, the per-step records (one process)
 
@@ -112,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    lp = experiment_script("learning_parity/learning_parity.py")
+    from experiments.learning_parity import learning_parity as lp
     CONFIG, _hyper, trl_config = lp.CONFIG, lp._hyper, lp.trl_config
     from transformers import TrainerCallback
     from trl import RLOOTrainer

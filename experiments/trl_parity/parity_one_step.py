@@ -1,7 +1,7 @@
 """One update of ours and of TRL's ``RLOOTrainer`` on the same rollout from the same weights (SmolLM2, the
 learning-parity hyperparameters): advantages, gradient and the AdamW step compared. Prints one JSON object.
 
-    python experiments/trl_parity/parity_one_step.py --hf-dir DIR [--seed 0] [--out FILE]
+    python -m experiments.trl_parity.parity_one_step --hf-dir DIR [--seed 0] [--out FILE]
 
 Ours: ``RLOOModule.sample`` / ``score`` / ``rollout_loss`` on a batch of the arithmetic task, then
 ``torch.optim.AdamW`` (lr 5e-6, torch's weight decay) as ``configs/smollm2_arithmetic.yaml`` builds it. TRL:
@@ -15,14 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # the shared helpers are the package benchmarks/ at the repository's root
-    sys.path.insert(0, str(ROOT))
-from benchmarks.bench_common import experiment_script  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    lp = experiment_script("learning_parity/learning_parity.py")
+    from experiments.learning_parity import learning_parity as lp
     _hyper, trl_config = lp._hyper, lp.trl_config
     from trl import RLOOTrainer
 

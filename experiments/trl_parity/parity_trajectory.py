@@ -2,7 +2,7 @@
 arithmetic task, ``configs/smollm2_arithmetic.yaml``): the same rollouts, the weights compared as the KL grows,
 and whether each system's own sampler would have drawn the same rollout. Prints one JSON object.
 
-    python experiments/trl_parity/parity_trajectory.py --hf-dir DIR [--steps 50] [--seed 0] [--out FILE]
+    python -m experiments.trl_parity.parity_trajectory --hf-dir DIR [--steps 50] [--seed 0] [--out FILE]
 
 ``experiments/trl_parity/parity_fed_steps.py`` feeds both trainers rollouts sampled once from the *initial* policy,
 where the policy is its own reference and the KL term of the reward is near 0. Here ours runs the learning-parity run
@@ -35,16 +35,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # the shared helpers are the package benchmarks/ at the repository's root
-    sys.path.insert(0, str(ROOT))
-from benchmarks.bench_common import experiment_script  # noqa: E402
 
 STATE: dict = {}  # the recorded rollouts, the initial weights, the per-step records (one process)
 
 
 def _trajectory_callback():
-    fed = experiment_script("trl_parity/parity_fed_steps.py")
+    from experiments.trl_parity import parity_fed_steps as fed
     _rows, _save_step = fed._rows, fed._save_step
 
     from rloo_lightning.callbacks import RolloutHook
@@ -99,10 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    lp = experiment_script("learning_parity/learning_parity.py")
+    from experiments.learning_parity import learning_parity as lp
     CONFIG, _child, _hyper, _prepare_gguf, held_out_rows, trl_config = (
         lp.CONFIG, lp._child, lp._hyper, lp._prepare_gguf, lp.held_out_rows, lp.trl_config)
-    fed = experiment_script("trl_parity/parity_fed_steps.py")
+    from experiments.trl_parity import parity_fed_steps as fed
     _compare_deltas, _rows = fed._compare_deltas, fed._rows
     from transformers import TrainerCallback
     from trl import RLOOTrainer

@@ -1,7 +1,7 @@
 """The exactness check with vLLM as the sampler: is ``RLOOModule.training_step`` with ``VLLMEngine`` an unbiased
 estimator of the RLOO gradient, with and without the importance correction?
 
-    python experiments/vllm/vllm_exactness.py --out experiments/vllm/vllm_exactness.json   # in the vllm env
+    python -m experiments.vllm.vllm_exactness --out experiments/vllm/vllm_exactness.json   # in the vllm env
 
 A real (tiny, head size 32) Llama whose completions can be enumerated: a six-token vocabulary, two new tokens at
 most, three prompts. The exact objective J = mean_p sum_y pi_theta(y|p) r(p, y) (beta = 0) and its gradient by
@@ -19,13 +19,11 @@ import argparse
 import dataclasses
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from benchmarks.bench_common import emit_json  # noqa: E402
+from benchmarks.bench_common import emit_json
+
 
 PROMPTS = ("ab", "ba", "aab")
 EOS, TEMPERATURE, MAX_NEW = 2, 1.0, 2

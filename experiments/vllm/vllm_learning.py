@@ -1,7 +1,7 @@
 """Learning with vLLM as the rollout engine against the default engine, on the quickstart's task.
 
     # in the environment scripts/vllm_cpu_env.sh builds:
-    python experiments/vllm/vllm_learning.py --out experiments/vllm/vllm_learning.json
+    python -m experiments.vllm.vllm_learning --out experiments/vllm/vllm_learning.json
 
 The quickstart (``configs/quickstart.yaml``: reverse task, 16 prompts x k = 4, 8 new tokens) for ``--steps`` steps on
 the task's model rebuilt with head size 32 (vLLM's CPU attention has no 16), per seed: once with the default engine
@@ -21,19 +21,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.bench_common import emit_json
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from benchmarks.bench_common import emit_json  # noqa: E402
 
 ENGINES = {"default": [], "vllm": ["--model.generation_engine", "rloo_lightning.engines.vllm.VLLMEngine"]}
 
 
 def _val_rewards(log_dir: Path) -> dict[int, float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from rloo_lightning.runtime.tensorboard_logs import read_scalars
 
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {e.step: e.value for e in acc.Scalars("val/reward")}
+    return read_scalars(log_dir)["val/reward"]
 
 
 def main() -> None:

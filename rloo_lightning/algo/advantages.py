@@ -331,7 +331,7 @@ def group_std(values: Tensor, k: int) -> Tensor:
 
 
 class AdvantageEstimator:
-    """Step 5 as one object: the configured baseline and the transforms around it.
+    """Step 6 as one object: the configured baseline and the transforms around it.
 
     ``normalize`` (before the rollout hooks) standardises the rewards over the global batch when
     ``normalize_rewards`` is on; ``__call__`` forms the advantages of the kept rows with the baseline,

@@ -42,7 +42,7 @@ KLEstimator = Literal[tuple(KL_ESTIMATORS)]  # type: ignore[valid-type]  # the o
 
 # Where the KL enters (``kl.placement``): the paper's sequence reward before the baseline, OpenRLHF's per-token
 # reward after it, or a loss term (GRPO). Each place reads its own name: ``fold_kl`` (reward), the module's
-# step 5 (token_reward), ``PolicyLoss`` (loss).
+# step 6 (token_reward), ``PolicyLoss`` (loss).
 KL_PLACEMENTS: tuple[str, ...] = ("reward", "token_reward", "loss")
 
 

@@ -234,7 +234,7 @@ def token_clipped_surrogate(
 
 
 class PolicyLoss:
-    """Step 6 as one object: the loss of some rows of a rollout, given their log-probs with grad.
+    """Step 7 as one object: the loss of some rows of a rollout, given their log-probs with grad.
 
     Default (the paper, Sec. 3.1): ``-sum_i A_i sum_t m_t logp_t / S``, advantages detached, no ratio.
     On a stored rollout's later updates (``old_logp`` given, ``updates_per_rollout > 1``) a clipped

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+from typing import Protocol, runtime_checkable
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -13,7 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from rloo_lightning.runtime import sigterm
+from rloo_lightning.runtime import framework, sigterm
 from rloo_lightning.runtime.atomic_checkpoint import (
     MB,
     NoSpaceError,
@@ -29,9 +30,19 @@ from rloo_lightning.runtime.atomic_checkpoint import (
 )
 from rloo_lightning.runtime.checkpoint_check import optimizer_state_ratio
 
-__all__ = ["FinalCheckpoint"]
+__all__ = ["FinalCheckpoint", "HasCheckpointEntries"]
 
 LAST = "last.ckpt"
+
+
+@runtime_checkable
+class HasCheckpointEntries(Protocol):
+    """A module that adds entries of its own to each checkpoint (``RLOOModule``: its skipped steps, moving average,
+    reused rollout, moving reference). :class:`FinalCheckpoint` keeps them at every step's end, and a stop that
+    abandons a step writes those."""
+
+    def checkpoint_entries(self) -> dict:
+        """The top-level entries its ``on_save_checkpoint`` adds, as a checkpoint written now holds them."""
 
 
 class FinalCheckpoint(Callback):
@@ -189,11 +200,7 @@ class FinalCheckpoint(Callback):
             return
         if sigterm.aborted_step():  # stopped inside a step: its start's state, as a stop at the step before writes
             if self._saved_step != trainer.global_step and self._boundary is not None:
-                pl_module._checkpoint_rewind = self._boundary
-                try:
-                    self._save(trainer)
-                finally:
-                    pl_module._checkpoint_rewind = None
+                self._save(trainer, rewind=self._boundary)
         elif not self._last_is_current(trainer):
             self._save(trainer)
         path = self.last_path(trainer)
@@ -210,7 +217,7 @@ class FinalCheckpoint(Callback):
             isinstance(cb, ModelCheckpoint)
             and cb.save_last
             and _same_path(cb.last_model_path, target)
-            and getattr(cb, "_last_global_step_saved", None) == trainer.global_step
+            and framework.last_saved_step(cb) == trainer.global_step
             for cb in trainer.checkpoint_callbacks)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -221,8 +228,9 @@ class FinalCheckpoint(Callback):
             self._refresh_after_resume(trainer, self.last_path(trainer, broadcast=False), collective=False)
 
     # -- how ---------------------------------------------------------------------------------------
-    def _save(self, trainer: Trainer) -> None:
-        """Write ``last.ckpt`` so that a kill at any moment leaves the previous one or this one.
+    def _save(self, trainer: Trainer, rewind: dict | None = None) -> None:
+        """Write ``last.ckpt`` so that a kill at any moment leaves the previous one or this one; with ``rewind`` (a
+        stop abandoned the step in progress), the checkpoint of the step's start (:func:`_rewound`).
 
         Every rank: a collective under DDP / FSDP. A full checkpoint (optimizer, loops, callbacks): resumable.
         A file goes through :class:`~rloo_lightning.runtime.atomic_checkpoint.AtomicCheckpointIO` (installed here if the
@@ -238,7 +246,7 @@ class FinalCheckpoint(Callback):
             if saves_a_folder(trainer.strategy) and _is_local(target):
                 staged = trainer.strategy.broadcast(staging_path(target))  # rank 0's name, the same on every rank
                 try:
-                    trainer.save_checkpoint(staged, weights_only=False)  # ends with a barrier: every shard is written
+                    _write(trainer, staged, rewind)  # ends with a barrier: every shard is written
                 except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is no Exception
                     # The save is collective: every rank is done with the folder. The previous last.ckpt is whole.
                     shutil.rmtree(staged, ignore_errors=True)
@@ -251,7 +259,7 @@ class FinalCheckpoint(Callback):
                     replace_path(staged, target)
                 trainer.strategy.barrier("FinalCheckpoint.save")
             else:
-                trainer.save_checkpoint(target, weights_only=False)
+                _write(trainer, target, rewind)
         finally:
             sigterm.set_phase(before)
         self._saved_step = trainer.global_step
@@ -291,8 +299,8 @@ def checkpoint_bytes(trainer: Trainer, pl_module: LightningModule) -> int:
     Whole sizes on every rank: a DTensor's (FSDP2) is its global size, a ZeRO-3 parameter's its ``ds_numel``;
     under ``FSDPStrategy`` (FSDP1, whose parameters are this rank's shards) the ranks' sums are added up (a
     collective). Not counted: frozen parameters (LoRA's base is not saved; a frozen part another module saves makes
-    the estimate low), the pickled structure and small entries (~32 KB), a reference model saved under
-    ``kl.ref_sync_steps``. Measured on the quickstart: 1,586,692 bytes estimated, 1,618,349 written.
+    the estimate low), the pickled structure and small entries, a reference model saved under
+    ``kl.ref_sync_steps`` (estimated against written, measured: see ``docs/reliability.md``, "A full disk").
     """
     from lightning.pytorch.strategies import FSDPStrategy
 
@@ -315,8 +323,8 @@ def checkpoint_bytes(trainer: Trainer, pl_module: LightningModule) -> int:
             whole += nbytes
     seen: set[int] = set()
     for module in pl_module.modules():
-        for name, buffer in module._buffers.items():
-            if buffer is not None and name not in module._non_persistent_buffers_set and id(buffer) not in seen:
+        for _, buffer in framework.persistent_buffers(module):
+            if buffer is not None and id(buffer) not in seen:
                 seen.add(id(buffer))
                 whole += buffer.numel() * buffer.element_size()
     if fsdp1:
@@ -337,7 +345,7 @@ def _space_problem(trainer: Trainer, folder: str, size: int) -> str | None:
         path = str(cb.dirpath)
         if os.stat(nearest_existing(path)).st_dev != device:
             continue  # another filesystem's space is its own
-        saves = validating or getattr(cb, "_every_n_train_steps", 0) or getattr(cb, "_train_time_interval", None)
+        saves = validating or framework.saves_within_epoch(cb)
         if not saves:
             continue  # only at an epoch's end, which this fit may never reach: left out, the estimate stays low
         folders.add(os.path.realpath(path))
@@ -403,9 +411,7 @@ def _boundary_state(trainer: Trainer, pl_module: LightningModule, where: str) ->
     ``where`` it is taken decides which of Lightning's counters are still to come at that step's end:
     ``batch`` (``on_train_batch_end``: the batch completed, the step for the loggers), ``validation`` (a validation
     after it: the step for the loggers) or ``epoch`` (the epoch's end after it: the epoch completed)."""
-    from lightning.pytorch.trainer import call
-
-    loops = copy.deepcopy(trainer._checkpoint_connector._get_loops_state_dict())
+    loops = copy.deepcopy(framework.loops_state(trainer))
     fit = loops["fit_loop"]
     counted = {"batch": [("epoch_loop.batch_progress", "completed")], "validation": [], "epoch": [
         ("epoch_progress", "completed")]}[where]
@@ -414,13 +420,35 @@ def _boundary_state(trainer: Trainer, pl_module: LightningModule, where: str) ->
             fit[progress][scope][counter] += 1
     if where != "epoch":
         fit["epoch_loop.state_dict"]["_batches_that_stepped"] += 1
-    extras: dict = {"state_dict": {}}
-    pl_module.on_save_checkpoint(extras)
-    extras.pop("state_dict")
+    extras = pl_module.checkpoint_entries() if isinstance(pl_module, HasCheckpointEntries) else {}
     extras = {key: _cloned(value) if key == "rloo_reference" else copy.deepcopy(value) for key, value in extras.items()}
     buffers = {name: value.detach().clone() for name, value in pl_module.named_buffers() if value.numel() < 1024}
-    return {"loops": loops, "callbacks": copy.deepcopy(call._call_callbacks_state_dict(trainer)), "extras": extras,
+    return {"loops": loops, "callbacks": copy.deepcopy(framework.callbacks_state(trainer)), "extras": extras,
             "buffers": buffers}
+
+
+def _write(trainer: Trainer, path: str, rewind: dict | None) -> None:
+    """``trainer.save_checkpoint(path)``; with ``rewind`` (:func:`_boundary_state`), the checkpoint rewound to it
+    once every hook has made it (:func:`_rewound`)."""
+    if rewind is None:
+        trainer.save_checkpoint(path, weights_only=False)
+    else:
+        framework.save_checkpoint_edited(trainer, path, lambda checkpoint: _rewound(checkpoint, rewind,
+                                                                                    trainer.lightning_module))
+
+
+def _rewound(checkpoint: dict, boundary: dict, pl_module: LightningModule) -> None:
+    """``checkpoint``, just made inside a step that a stop abandoned, as a save at the step's start made it: its loops,
+    callbacks, the module's own entries (in place of those it holds now) and small buffers are the boundary's
+    (``last.ckpt`` then holds the step before, as a stop at that step's end would have written it)."""
+    checkpoint["loops"], checkpoint["callbacks"] = boundary["loops"], boundary["callbacks"]
+    for key in pl_module.checkpoint_entries() if isinstance(pl_module, HasCheckpointEntries) else ():
+        checkpoint.pop(key, None)
+    checkpoint.update(copy.deepcopy(boundary["extras"]))
+    for name, value in boundary["buffers"].items():
+        if name in checkpoint["state_dict"]:
+            checkpoint["state_dict"][name] = value.clone()
+    start_next_epoch(checkpoint.get("loops"))
 
 
 def _cloned(state: dict) -> dict:

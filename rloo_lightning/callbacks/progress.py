@@ -24,6 +24,7 @@ from typing import Any, Callable, TextIO
 import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 
+from rloo_lightning.runtime import framework
 from rloo_lightning.runtime.console import is_terminal, write_line
 
 __all__ = ["StepProgressBar", "LineBar", "EvaluationProgress", "format_duration", "format_rate", "format_value"]
@@ -311,9 +312,10 @@ class StepProgressBar(TQDMProgressBar):
         if not self.counts_steps(trainer):
             super().on_train_epoch_start(trainer, *args)
             return
-        if self._leave:
+        leave = framework.tqdm_leave(self)
+        if leave:
             self.train_progress_bar = self.init_train_tqdm()
-        if self._leave or getattr(self, "_fresh", True):  # once per fit: the clock starts with the first epoch
+        if leave or getattr(self, "_fresh", True):  # once per fit: the clock starts with the first epoch
             self._fresh = False
             self._start_steps(trainer)
 
@@ -326,13 +328,13 @@ class StepProgressBar(TQDMProgressBar):
         bar.set_description("Training")  # refreshes the bar
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        bar = self._train_progress_bar
+        bar = framework.tqdm_bar(self, "train")
         if not self.counts_steps(trainer) and not isinstance(bar, LineBar):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
             return
         n = self.training_position(trainer, batch_idx)
         # under gradient accumulation most batches make no step: the bar moves on optimizer steps only
-        if bar is None or bar.disable or n == bar.n or not self._should_update(n, bar.total):
+        if bar is None or bar.disable or n == bar.n or not framework.tqdm_should_update(self, n, bar.total):
             return
         bar.n = n
         bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar (the metrics of this step)
@@ -367,13 +369,13 @@ class StepProgressBar(TQDMProgressBar):
 
     # -- evaluation: the last plain line of a validation or a test has its metrics ---------------------------
     def on_validation_end(self, trainer, pl_module) -> None:
-        bar = self._val_progress_bar
+        bar = framework.tqdm_bar(self, "val")
         if isinstance(bar, LineBar) and not trainer.sanity_checking:
             bar.final_metrics = self.stage_metrics(trainer, "val/")
         super().on_validation_end(trainer, pl_module)
 
     def on_test_end(self, trainer, pl_module) -> None:
-        bar = self._test_progress_bar
+        bar = framework.tqdm_bar(self, "test")
         if isinstance(bar, LineBar):
             bar.final_metrics = self.stage_metrics(trainer, "test/")
         super().on_test_end(trainer, pl_module)
@@ -389,8 +391,8 @@ class StepProgressBar(TQDMProgressBar):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         """The bars end at once, without a last line: the error that follows starts a line of its own (a tqdm
         bar on a terminal is closed: its line ends)."""
-        for bar in (self._extra_bar, self._val_progress_bar, self._test_progress_bar, self._predict_progress_bar,
-                    self._train_progress_bar):
+        stages = ("val", "test", "predict", "train")
+        for bar in (self._extra_bar, *(framework.tqdm_bar(self, stage) for stage in stages)):
             if isinstance(bar, LineBar):
                 bar.abandon()
             elif bar is not None:

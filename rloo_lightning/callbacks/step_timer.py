@@ -23,7 +23,8 @@ class StepTimer(Callback):
          "total_s": on_train_batch_start -> on_train_batch_end,
          "backward_s": on_before_backward -> on_after_backward,
          "optimizer_s": on_before_optimizer_step -> on_train_batch_end (optimizer and scheduler step),
-         "phases": the module's ``timer.pop()`` (e.g. generation, reward, policy_forward, reference), or {},
+         "phases": the module's ``timer.pop()`` (e.g. generation, reward, policy_logprobs, reference,
+         update_forward, update_backward), or {},
          "rss_hwm_mb": the process's peak resident set so far (Linux ``VmHWM``; None elsewhere)}
 
     Phase totals accumulated between steps (e.g. validation) are discarded at each step's start. If

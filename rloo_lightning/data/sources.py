@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+from rloo_lightning.runtime import framework
+
 __all__ = ["FILE_FORMATS", "Source", "file_source", "read_rows", "task_sources"]
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
@@ -150,7 +152,7 @@ def file_source(source: str, split: str = "train", dataset_config: str | None = 
         raise ValueError(f"dataset {source!r} (split {split!r}) cannot be loaded: {err}") from err
     # The fingerprint changes with the dataset's files and revision (it is what datasets keys its own cache on).
     identity = {"dataset": source, "config": dataset_config, "split": split,
-                "fingerprint": getattr(ds, "_fingerprint", None), "rows": len(ds)}
+                "fingerprint": framework.dataset_fingerprint(ds), "rows": len(ds)}
     return Source(f"{source}[{split}]", identity, lambda: _checked(_dataset_rows(ds, f"{source}[{split}]")))
 
 

@@ -6,8 +6,8 @@ three parts of ``generate``'s cost are not needed for it (measured on SmolLM2-13
 
 - each of the k copies of a prompt is prefilled again: here each distinct prompt is prefilled once and its cache
   repeated over its k rows;
-- ``torch.multinomial`` over a ``[16, 49152]`` distribution draws one exponential variate per entry (about a fifth
-  of a decode step): here one uniform per row is located in the float64 cumulative distribution (inverse CDF,
+- ``torch.multinomial`` over a ``[16, 49152]`` distribution draws one exponential variate per entry: here one
+  uniform per row is located in the float64 cumulative distribution (inverse CDF,
   :func:`sample_from_logits`), exact to float64 rounding;
 - finished rows keep being decoded: here they leave the batch (and the cache) as they finish.
 

@@ -127,8 +127,8 @@ def _seeded_global_rng(seed: int, device: torch.device) -> Iterator[None]:
     """The global RNG of ``device`` (and the CPU's) seeded with ``seed`` inside, restored after.
 
     Not ``fork_rng`` + ``torch.manual_seed``: those seed every accelerator type torch knows of, and on
-    a machine where CUDA is not initialised each call formats a stack trace (``torch.cuda._lazy_call``):
-    0.18 ms a call against 0.006 ms here, measured on CPU.
+    a machine where CUDA is not initialised each call formats a stack trace (``torch.cuda._lazy_call``), many
+    times what seeding the generators in use costs (measured: see ``benchmarks/step_time.md``).
     """
     cpu_state = torch.get_rng_state()
     cuda = device.type == "cuda"

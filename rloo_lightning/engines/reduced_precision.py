@@ -12,6 +12,7 @@ import torch
 
 from rloo_lightning.engines.base import GenerationEngine
 from rloo_lightning.engines.hf_generate import HFGenerateEngine
+from rloo_lightning.runtime import framework
 
 __all__ = ["ReducedPrecisionEngine", "cpu_supports_bf16"]
 
@@ -22,7 +23,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 def cpu_supports_bf16() -> bool:
     """Whether this CPU has native bf16 arithmetic (AVX512-BF16 or AMX): elsewhere bf16 is emulated, and slow."""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return framework.mkldnn_bf16_supported()
     except (AttributeError, RuntimeError):
         return False
 

@@ -81,9 +81,9 @@ class EpisodeSampler:
             self._format = TurnFormat.from_tokenizer(tokenizer, plain=self.args.reply_format)
         return self._format
 
-    def sample(self, model, tokenizer, batch: dict, k: int, generation_config, seed: int, engine, grad_free,
-               reduce: Callable | None = None):
-        """The rollout of ``k`` episodes for each prompt of ``batch``, seeded by ``seed``.
+    def sample(self, using, batch: dict, k: int, generation_config, seed: int):
+        """The rollout of ``k`` episodes for each prompt of ``batch``, seeded by ``seed``, played with ``using``'s
+        policy and engine (the :class:`~rloo_lightning.rollout.Sampler` protocol).
 
         Episode ``(row r, sample j)`` is reset with ``derive_seed(seed, "env", r, j)``, ``r`` the prompt's row in
         its source (``batch["row_index"]``): ``seed`` itself comes from (sampling.seed, rank, step), so a resumed
@@ -94,6 +94,8 @@ class EpisodeSampler:
         from rloo_lightning.models import config_context
         from rloo_lightning.rollout import Episodes, Rollout, normal_tensor, derive_seed, eos_list
 
+        model, tokenizer, engine, grad_free, reduce = (using.model, using.tokenizer, using.engine, using.grad_free,
+                                                       using.reduce)
         n = batch["input_ids"].shape[0]
         prompt_ids = batch["input_ids"].repeat_interleave(k, dim=0)
         prompt_mask = batch["attention_mask"].repeat_interleave(k, dim=0)

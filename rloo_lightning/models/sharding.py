@@ -48,6 +48,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from rloo_lightning.runtime import framework
+
 __all__ = [
     "GenerationPath",
     "decoder_layers",
@@ -120,7 +122,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a Hugging Face causal LM: the modules whose class is named in the model's
     ``_no_split_modules`` (``LlamaDecoderLayer``, ``Qwen2DecoderLayer``, ...), else the children of the first
     ``nn.ModuleList`` (``model.model.layers``)."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
+    names = set(framework.no_split_modules(model) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names and m is not model]
     if layers:
         return layers
@@ -170,27 +172,13 @@ def _fsdp2_gathered(model: nn.Module) -> Iterator[None]:
     if modules[0] is model:
         # What the root's first forward would do anyway: settle FSDP's default that the root keeps its
         # parameters after forward, before the setting is changed below and restored afterwards.
-        state = model._get_fsdp_state()
-        if hasattr(state, "_lazy_init"):
-            state._lazy_init()
-    saved = []
-    for m in modules:
-        state = m._get_fsdp_state()
-        groups = [(g, g.post_forward_mesh_info, g.is_unsharded) for g in state._fsdp_param_groups]
-        saved.append((state, state._auto_reshard_after_forward, groups))
-    try:
+        framework.fsdp2_lazy_init(model)
+    with framework.fsdp2_reshard_settings_restored(modules):  # and the parameters resharded after
         for m in modules:
             m.set_reshard_after_forward(False, recurse=False)
         for m in modules:  # one all-gather per FSDP module, in module order: the same on every rank
             m.unshard()
         yield
-    finally:
-        for state, auto, groups in saved:
-            state._auto_reshard_after_forward = auto
-            for group, mesh_info, was_unsharded in groups:
-                group.post_forward_mesh_info = mesh_info
-                if not was_unsharded:
-                    group.reshard()  # frees the gathered parameters: no collective
 
 
 # -- FSDP (FSDP1, Lightning's FSDPStrategy) ----------------------------------------------------------------------
@@ -201,22 +189,14 @@ def _fsdp1_gathered(model: nn.Module) -> Iterator[None]:
     forward already). Inside it each unit's forward would still free its parameters afterwards (FULL_SHARD /
     HYBRID_SHARD reshard after forward), so they are switched to the keep-after-forward variant meanwhile."""
     from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.distributed.fsdp._flat_param import HandleShardingStrategy as S
 
-    handles = [u._handle for u in _fsdp1_units(model) if getattr(u, "_handle", None) is not None]
+    handles = framework.fsdp1_handles(_fsdp1_units(model))
     if not handles:
         yield
         return
-    keep = {S.FULL_SHARD: S.SHARD_GRAD_OP, S.HYBRID_SHARD: S._HYBRID_SHARD_ZERO2}
     with FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=True):
-        saved = [(h, h._sharding_strategy) for h in handles]
-        try:
-            for h, strategy in saved:
-                h._sharding_strategy = keep.get(strategy, strategy)
+        with framework.fsdp1_params_kept_after_forward(handles):
             yield
-        finally:
-            for h, strategy in saved:
-                h._sharding_strategy = strategy
 
 
 # -- DeepSpeed ZeRO-3 --------------------------------------------------------------------------------------------
@@ -248,10 +228,7 @@ def _remove_zero3_hooks(offload: Any) -> None:
 
 
 def _add_zero3_hooks(offload: Any) -> None:
-    if hasattr(offload, "_register_deepspeed_module"):  # DeepSpeed >= 0.16.4
-        offload._register_deepspeed_module(offload.module)
-    else:
-        offload._register_hooks_recursively(offload.module)
+    framework.zero3_register_hooks(offload)
 
 
 @contextlib.contextmanager

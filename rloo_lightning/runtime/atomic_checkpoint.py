@@ -46,6 +46,8 @@ from typing import IO, Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from rloo_lightning.runtime import framework
+
 __all__ = ["AtomicCheckpointIO", "atomic_write", "atomic_copy", "replace_path", "staging_path", "remove_stale_temps",
            "install_atomic_checkpoint_io", "saves_a_folder", "local_path", "NoSpaceError", "no_space_error",
            "free_bytes", "nearest_existing", "storage_bytes", "MB"]
@@ -360,7 +362,8 @@ def free_bytes(path: str | os.PathLike) -> int:
 
 def storage_bytes(obj: Any) -> int:
     """The bytes of the tensors ``torch.save(obj)`` writes: each storage once (tied weights, views), found in
-    nested dicts, lists and tuples. The file is larger by its zip records and pickled structure (~1-2%)."""
+    nested dicts, lists and tuples. The file is larger by its zip records and pickled structure
+    (measured: see ``docs/reliability.md``, "A full disk")."""
     seen: set[tuple[int, int]] = set()
     total, stack = 0, [obj]
     while stack:
@@ -464,19 +467,17 @@ def install_atomic_checkpoint_io(strategy: Any) -> bool:
     """Give ``strategy`` an :class:`AtomicCheckpointIO` where it has Lightning's default ``TorchCheckpointIO``
     (none configured yet, exactly that class, or inside a wrapper such as ``AsyncCheckpointIO``). A checkpoint IO
     plugin of the user's (any other class) is left alone. Returns whether it installed one."""
-    from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
-
-    io = getattr(strategy, "_checkpoint_io", None)
+    io = framework.checkpoint_io_of(strategy)
     if io is None or type(io) is TorchCheckpointIO:
         strategy.checkpoint_io = AtomicCheckpointIO()
         return True
-    if isinstance(io, _WrappingCheckpointIO):
+    if framework.is_wrapping_checkpoint_io(io):
         inner = io.checkpoint_io
         if inner is None:
             io.checkpoint_io = AtomicCheckpointIO()
             return True
         if type(inner) is TorchCheckpointIO:
-            io._checkpoint_io = AtomicCheckpointIO()  # the setter only fills an empty slot
+            framework.set_wrapped_checkpoint_io(io, AtomicCheckpointIO())  # the setter only fills an empty slot
             return True
     return False
 
@@ -487,7 +488,7 @@ def saves_a_folder(strategy: Any) -> bool:
     from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
     if isinstance(strategy, ModelParallelStrategy):
-        return bool(getattr(strategy, "_save_distributed_checkpoint", True))
+        return framework.saves_distributed_checkpoint(strategy)
     if isinstance(strategy, FSDPStrategy):
-        return getattr(strategy, "_state_dict_type", "full") == "sharded"
+        return framework.fsdp_state_dict_type(strategy) == "sharded"
     return isinstance(strategy, DeepSpeedStrategy)

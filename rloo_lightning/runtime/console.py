@@ -21,6 +21,8 @@ import warnings
 from contextlib import contextmanager
 from typing import Iterator, TextIO
 
+from rloo_lightning.runtime import framework
+
 __all__ = ["is_terminal", "end_partial_line", "write_line", "format_warning", "install", "outputs_line",
            "report_outputs", "resume_line"]
 
@@ -38,7 +40,7 @@ def _drawn_bars() -> list:
     from tqdm import tqdm
 
     with tqdm.get_lock():
-        return [bar for bar in list(getattr(tqdm, "_instances", [])) if not bar.disable and hasattr(bar, "start_t")]
+        return [bar for bar in framework.tqdm_bars() if not bar.disable and hasattr(bar, "start_t")]
 
 
 def end_partial_line() -> None:

@@ -48,6 +48,8 @@ import time
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from rloo_lightning.runtime import framework
+
 __all__ = ["abort_step", "aborted_step", "agree", "attach", "between_batches", "check", "end_step", "exit_code",
            "ignore_sigint", "install", "phase", "rank_zero", "requested", "set_phase", "sigint_held", "signal_name"]
 
@@ -80,9 +82,7 @@ def attach(trainer) -> None:
     registers when the trainer's run starts, is replaced by :func:`_handler` (see the module docstring)."""
     _state.update(trainer=trainer, phase="setup", aborted_step=False, polled=0.0)
     _state["runs"] += 1  # the store key of this run: a signal of an earlier run in this process group is not seen
-    connector = getattr(trainer, "_signal_connector", None)
-    if connector is not None:
-        connector._sigterm_notifier_fn = _lightning_notifier
+    framework.set_sigterm_notifier(trainer, _lightning_notifier)
 
 
 def phase() -> str:
@@ -176,8 +176,8 @@ def agree(trainer) -> bool:
         flag = trainer.strategy.reduce_boolean_decision(_state["requested"], all=False)
         if flag:
             _state["requested"] = True
-    if _state["requested"] and getattr(trainer, "_signal_connector", None) is not None:
-        trainer._signal_connector.received_sigterm = True
+    if _state["requested"]:
+        framework.mark_sigterm_received(trainer)
     return _state["requested"]
 
 
@@ -219,7 +219,7 @@ def _store():
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
     try:
-        return torch.distributed.distributed_c10d._get_default_store()
+        return framework.default_store()
     except (RuntimeError, AttributeError, ValueError):
         return None
 
@@ -260,8 +260,8 @@ def _handler(signum, frame) -> None:
                 store.set(_key(), "1")  # the ranks that were not signalled learn of it
             except (RuntimeError, ValueError):
                 pass
-    if _world_size() == 1 and getattr(trainer, "_signal_connector", None) is not None:
-        trainer._signal_connector.received_sigterm = True  # one process: Lightning's stops apply as they are
+    if _world_size() == 1:
+        framework.mark_sigterm_received(trainer)  # one process: Lightning's stops apply as they are
     if _state["phase"] == "setup":
         raise SIGTERMException("before the first step")
 

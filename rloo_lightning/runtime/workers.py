@@ -46,6 +46,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from rloo_lightning.rewards.protocol import RewardError, build_reward, invoke
+from rloo_lightning.runtime import framework
 from rloo_lightning.runtime.sigterm import ignore_sigint, sigint_held
 
 __all__ = ["WorkerPool", "RemoteError", "get_context"]
@@ -66,9 +67,7 @@ def get_context(start_method: str | None = None):
     if start_method == "forkserver":
         # Import this module (and so torch and the built-in rewards) once in the server, not in each
         # worker. Keeps what others asked to preload; no effect if the server already runs.
-        from multiprocessing import forkserver
-
-        current = list(getattr(forkserver._forkserver, "_preload_modules", ["__main__"]))
+        current = framework.forkserver_preload_modules()
         if __name__ not in current:
             ctx.set_forkserver_preload(current + [__name__])
     return ctx

@@ -74,7 +74,7 @@ class ToolEnvironment(Environment):
         max_calls: the most calls of an episode, each call of a turn counted; a further call is answered with an
             error and ends the episode (None: no limit but ``environment.max_turns``).
         memory_mb: MiB of address space a call may add in its worker process, on top of what the worker maps
-            after its start-up (its imports: about 760 MiB with torch 2.x for CPU, more with a CUDA build):
+            after its start-up (its imports; measured: see ``docs/tools.md``, "Memory limit"):
             ``RLIMIT_AS`` of the worker is set to that size plus ``memory_mb``. Past it an allocation raises
             ``MemoryError`` in the tool, reported as ``exception``. Counts address space, not resident memory
             (thread stacks and malloc arenas count). None: no limit. Linux only; no effect without a worker

@@ -1,0 +1,4 @@
+"""The study: SmolLM2 learning against TRL's RLOOTrainer.
+
+Its README.md holds the commands and the results.
+"""

@@ -1,0 +1,4 @@
+"""The study: multi-turn RLOO learns to use an environment's reply.
+
+Its README.md holds the commands and the results.
+"""
