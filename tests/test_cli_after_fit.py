@@ -16,7 +16,8 @@ import torch
 from rloo_lightning import RLOOModule
 from rloo_lightning.engines.decode import DecodeLoopEngine
 from rloo_lightning.engines import (
-    GenerationEngine, HFGenerateEngine, ReducedPrecisionEngine, build_engine, cpu_supports_bf16, engine_spec,
+    GenerationEngine, HFGenerateEngine, ReducedPrecisionEngine, build_engine, cpu_supports_bf16, engine_class,
+    engine_spec,
 )
 from rloo_lightning.engines.vllm import VLLMEngine
 
@@ -159,7 +160,7 @@ def test_every_engine_checkpoint_stores_the_engine_and_the_options_as_given(fits
     if name == "default":
         assert engine is None and hparams["correction"]["level"] == "auto"
     else:
-        assert json.loads(ENGINES[name][1])["class_path"] == engine["class_path"]
+        assert engine_class(json.loads(ENGINES[name][1])["class_path"]) is engine_class(engine["class_path"])
         assert hparams["correction"]["level"] == ENGINES[name][3]
 
 

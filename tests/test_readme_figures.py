@@ -22,9 +22,11 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
-from cli_harness import REPO, make_env, start_script
+from cli_harness import REPO, Proc, make_env
 from study_helpers import load_script
 
 import rloo_lightning
@@ -82,8 +84,11 @@ def test_readme_table_matches_a_fresh_quickstart_run(tmp_path, _cache_dir):
     # model); one thread: beside the suite's other worker two ran 4-5x slower (docs/threads.md), and the first 100
     # steps' values were the same to the last bit with 1 and 2 threads here (the tiny model's operators are too
     # small to be split)
-    proc = start_script("quickstart_trajectory", SCRIPT, ["--markdown", "--cache", str(_cache_dir), "--max-steps",
-                                                          "100"], tmp_path, env=make_env(), timeout=900).check()
+    env = make_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env["PYTHONPATH"]])  # run as a module, as the study says
+    module = "experiments.quickstart_trajectory.quickstart_trajectory"
+    proc = Proc("quickstart_trajectory", [sys.executable, "-m", module, "--markdown", "--cache", str(_cache_dir),
+                                          "--max-steps", "100"], tmp_path, env=env, timeout=900).check()
     table = proc.stdout.strip()
     assert "\n| 0 | " in table and "\n| 99 | " in table, table  # validations before training and after 100 steps
     recorded, here = json.loads(BASELINE.read_text())["cpu"], _script_module().cpu_kind()
