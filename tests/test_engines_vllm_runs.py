@@ -215,7 +215,7 @@ def test_the_vllm_benchmark_and_learning_study_run_at_their_smallest(tmp_path):
     assert record["default"]["timed_steps"] == record["vllm"]["timed_steps"] == 1
     assert record["vllm"]["pushes"] >= 2 and record["vllm"]["engine_peak_rss_mb"] > 0
     study = tmp_path / "learn.json"
-    subprocess.run([sys.executable, REPO / "experiments/vllm/vllm_learning.py", "--steps", "2", "--seeds", "0",
+    subprocess.run([sys.executable, "-m", "experiments.vllm.vllm_learning", "--steps", "2", "--seeds", "0",
                     "--val-rows", "8", "--out", study], cwd=REPO, env=env, check=True, capture_output=True,
                    timeout=600)
     runs = json.loads(study.read_text())["runs"]
@@ -233,7 +233,7 @@ def test_the_training_step_with_vllm_sampling_is_unbiased_and_a_known_mismatch_i
     from cli_harness import REPO, make_env
 
     out = tmp_path / "exact.json"
-    subprocess.run([sys.executable, REPO / "experiments/vllm/vllm_exactness.py", "--draws", "40", "--cases", "0", "2",
+    subprocess.run([sys.executable, "-m", "experiments.vllm.vllm_exactness", "--draws", "40", "--cases", "0", "2",
                     "--out", out], cwd=REPO, env=make_env(tmp_path / "cache"), check=True, capture_output=True,
                    timeout=600)
     results = json.loads(out.read_text())["results"]
