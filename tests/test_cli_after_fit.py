@@ -58,7 +58,7 @@ def test_an_engine_that_cannot_be_named_says_why():
     assert spec is None and "transform=" in why and "not a plain value" in why
     assert engine_spec(CallableArgEngine())[0] == {"class_path": f"{__name__}.CallableArgEngine",
                                                     "init_args": {"transform": None}}
-    with pytest.raises(ImportError, match="no_such_module.Engine cannot be imported"):
+    with pytest.raises(ImportError, match="generation engine 'no_such_module.Engine' cannot be imported"):
         build_engine({"class_path": "no_such_module.Engine"})
     with pytest.raises(TypeError, match="is not a GenerationEngine subclass"):
         build_engine({"class_path": "torch.nn.Linear", "init_args": {}})

@@ -9,7 +9,6 @@ in ``vllm_child.py``).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 
 import torch
@@ -126,13 +125,12 @@ def engine_spec(engine: GenerationEngine) -> tuple[dict | None, str | None]:
 def engine_class(class_path: str) -> type:
     """The :class:`GenerationEngine` subclass at ``class_path`` (``package.module.Class``); ImportError or
     TypeError naming it otherwise."""
-    module_name, _, name = class_path.rpartition(".")
+    from rloo_lightning.rewards.protocol import RewardError, _import_object  # the package's one import by path
+
     try:
-        cls = getattr(importlib.import_module(module_name), name) if module_name else None
-    except (ImportError, AttributeError) as err:
-        raise ImportError(f"generation engine {class_path} cannot be imported: {err}") from err
-    if cls is None:
-        raise ImportError(f"generation engine {class_path} cannot be imported: not a module.Class path")
+        cls = _import_object(class_path, "generation engine")
+    except RewardError as err:  # its message names the path and the closest name there
+        raise ImportError(str(err)) from err.__cause__
     if not (isinstance(cls, type) and issubclass(cls, GenerationEngine)):
         raise TypeError(f"generation engine {class_path} is not a GenerationEngine subclass")
     return cls
