@@ -10,10 +10,10 @@
   ``rloo_lightning.engines.vllm.VLLMEngine`` is its path, and importing this package never imports vLLM.
 """
 
-from rloo_lightning.engines.base import GenerationEngine, build_engine, engine_class, engine_spec
+from rloo_lightning.engines.base import GenerationEngine, Submitted, build_engine, engine_class, engine_spec
 from rloo_lightning.engines.decode import DecodeLoopEngine
 from rloo_lightning.engines.hf_generate import HFGenerateEngine, generates_synced, prompt_groups, shared_prefill
 from rloo_lightning.engines.reduced_precision import ReducedPrecisionEngine, cpu_supports_bf16
 
-__all__ = ["DecodeLoopEngine", "GenerationEngine", "HFGenerateEngine", "ReducedPrecisionEngine", "build_engine",
+__all__ = ["DecodeLoopEngine", "GenerationEngine", "HFGenerateEngine", "ReducedPrecisionEngine", "Submitted", "build_engine",
            "cpu_supports_bf16", "engine_class", "engine_spec", "generates_synced", "prompt_groups", "shared_prefill"]

@@ -10,12 +10,25 @@ in ``vllm_child.py``).
 from __future__ import annotations
 
 import inspect
+import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 from transformers import GenerationConfig
 
-__all__ = ["GenerationEngine", "build_engine", "engine_class", "engine_spec"]
+__all__ = ["GenerationEngine", "Submitted", "build_engine", "engine_class", "engine_spec"]
+
+
+@dataclass
+class Submitted:
+    """A handle of :meth:`GenerationEngine.submit`: the result when it is known (``value``), the engine's seconds
+    on it (``seconds``, None: not known) and whatever an engine keeps to find it (``key``)."""
+
+    value: Any = None
+    seconds: float | None = None
+    key: Any = None
 
 
 class GenerationEngine:
@@ -63,6 +76,36 @@ class GenerationEngine:
         """Completion ids ``[B, T']`` (or ``(ids, logprobs)``) for ``B`` left-padded prompts ``[B, P]`` (already
         repeated k times)."""
         raise NotImplementedError
+
+    #: Whether :meth:`submit` returns before its sampling is done, so that it runs while the trainer computes
+    #: (``rollout.max_staleness >= 1``). False: :meth:`submit` samples at once (the default below).
+    overlaps: bool = False
+
+    def submit(self, model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor,
+               generation_config: GenerationConfig, seed: int):
+        """Start sampling what :meth:`generate` would return for these arguments, from the weights as they are now,
+        and return a handle for :meth:`collect` (``rollout.max_staleness >= 1``).
+
+        Contract, for an engine that overlaps (:attr:`overlaps` True):
+            - the sample is a function of the weights at this call: an :meth:`on_weights_updated` that follows, and
+              the optimizer step that changes the model's tensors before it, must not reach a request already
+              submitted (hold the weights it needs, or finish it before loading newer ones);
+            - each call is one engine batch of its own (what other requests are pending does not change it), so
+              that a run and its resume sample the same tokens;
+            - :meth:`generate` may be called while requests are pending (validation, dynamic sampling's extra
+              rounds): it samples from the weights as they are then.
+
+        The default samples now with :meth:`generate` and holds the result: exact, and no overlap.
+        """
+        start = time.perf_counter()
+        value = self.generate(model, tokenizer, prompt_ids, prompt_mask, generation_config, seed)
+        return Submitted(value=value, seconds=time.perf_counter() - start)
+
+    def collect(self, handle):
+        """What :meth:`generate` would have returned for the :meth:`submit` that gave ``handle``; waits for it.
+        Each handle is collected once, in any order. ``handle.seconds``, when set, is the time the engine spent
+        on it (the step's ``train/engine_idle_s`` is computed from it)."""
+        return handle.value
 
     #: The ``correction.level`` that ``level: auto`` means with this engine (None: ``none``).
     default_correction: str | None = None
