@@ -42,6 +42,7 @@ __all__ = [
     "AdvantageArgs",
     "UpdateArgs",
     "CorrectionArgs",
+    "RolloutArgs",
     "DynamicSamplingArgs",
     "ValidationArgs",
     "PolicyArgs",
@@ -333,7 +334,8 @@ class CorrectionArgs:
     Args:
         level: ``auto`` (the default): the engine's own choice, its ``default_correction`` (``none`` for the
             engines of :mod:`rloo_lightning.engines` but vLLM; ``token`` for
-            :class:`~rloo_lightning.engines.vllm.VLLMEngine`); ``none``; ``sequence``: one detached weight
+            :class:`~rloo_lightning.engines.vllm.VLLMEngine`; ``token`` with any engine when
+            ``rollout.max_staleness >= 1``); ``none``; ``sequence``: one detached weight
             w_i = pi_theta(y_i) / pi_s(y_i) multiplies
             (R_i - b_i) grad log pi_theta(y_i): unbiased when untruncated (``cap: null``), but its variance
             grows fast with the mismatch and the length; ``token``: w_it = pi_theta(y_it|.) / pi_s(y_it|.)
@@ -358,12 +360,39 @@ class CorrectionArgs:
         if self.lower is not None and not (0 <= self.lower < (self.cap if self.cap is not None else float("inf"))):
             raise ValueError(f"correction.lower must be in [0, correction.cap), got {self.lower}")
 
-    def for_engine(self, engine) -> CorrectionArgs:
-        """These options with ``level: auto`` replaced by ``engine``'s ``default_correction`` (``none`` if it has
-        none)."""
+    def for_engine(self, engine, stale: bool = False) -> CorrectionArgs:
+        """These options with ``level: auto`` replaced by ``engine``'s ``default_correction``; when it has none,
+        ``token`` for stale rollouts (``rollout.max_staleness >= 1``: the sampler is an older pi_theta) and ``none``
+        otherwise."""
         if self.level != "auto":
             return self
-        return dataclasses.replace(self, level=getattr(engine, "default_correction", None) or "none")
+        return dataclasses.replace(self, level=getattr(engine, "default_correction", None)
+                                   or ("token" if stale else "none"))
+
+
+@dataclass(frozen=True)
+class RolloutArgs:
+    """When each step's rollout is sampled (step 1): by the step itself (the paper), or ahead of it from older
+    weights, while the trainer computes the steps before (asynchronous RLOO; ``docs/async.md``).
+
+    Args:
+        max_staleness: the lag K, in optimizer steps. 0 (the default): step g samples from the weights it
+            updates (on-policy). K >= 1: step g's rollout is sampled from the weights of step g - K exactly (the
+            first K steps from the initial weights), submitted to the engine at step g - K and generated while
+            steps g - K .. g - 1 train; a fixed lag, not "at most K" (TRL's ``max_staleness``, prime-rl's
+            ``max_off_policy_steps``), so that a run and its resume sample the same tokens. The stale samples are
+            corrected against pi_theta at the update: ``correction.level: auto`` becomes token-level truncated
+            weights (cap 2). With ``update.updates_per_rollout`` U the last update on a rollout is K + U - 1 steps
+            after its weights. Needs a data module with ``train_batch(position)`` (``PromptDataModule``), and an
+            engine that reports its log-probs (the default engine then turns them on).
+    """
+
+    prefix: ClassVar[str] = "rollout"
+    max_staleness: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness must be an integer >= 0, got {self.max_staleness!r}")
 
 
 @dataclass(frozen=True)
@@ -402,6 +431,7 @@ GROUPS: dict[str, type] = {
     "advantage": AdvantageArgs,
     "update": UpdateArgs,
     "correction": CorrectionArgs,
+    "rollout": RolloutArgs,
     "dynamic_sampling": DynamicSamplingArgs,
     "validation": ValidationArgs,
     "policy": PolicyArgs,

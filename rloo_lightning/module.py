@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 
@@ -21,7 +22,7 @@ from rloo_lightning.callbacks.predict import PredictionWriter
 from rloo_lightning.callbacks.runtime import ProcessRuntime
 from rloo_lightning.config import (
     AdvantageArgs, CorrectionArgs, DynamicSamplingArgs, EnvironmentArgs, KLArgs, PolicyArgs, PredictArgs, RewardArgs,
-    RunArgs, SamplingArgs, ShapingArgs, UpdateArgs, ValidationArgs, GROUPS, Options, as_group, to_primitives,
+    RolloutArgs, RunArgs, SamplingArgs, ShapingArgs, UpdateArgs, ValidationArgs, GROUPS, Options, as_group, to_primitives,
 )
 from rloo_lightning.dynamic_sampling import fill_informative
 from rloo_lightning.engines import GenerationEngine, build_engine, engine_spec
@@ -32,6 +33,7 @@ from rloo_lightning.metrics import MissingRewardWatch, NoSignalWatch, log_step_m
     write_to_loggers
 from rloo_lightning.models import sharding
 from rloo_lightning.models.policy import check_checkpoint_fits, lora_config
+from rloo_lightning.pipeline import RolloutPipeline
 from rloo_lightning.policy_module import PolicyModule
 from rloo_lightning.reference import ReferencePolicy
 from rloo_lightning.rewards import RewardSet
@@ -68,6 +70,8 @@ class RLOOModule(PolicyModule):
         update: the loss, rollout reuse, micro-batching, NaN handling, warm-up (``UpdateArgs``).
         correction: importance correction for an engine that is not exactly pi_theta, off by default
             (``CorrectionArgs``).
+        rollout: when each step's rollout is sampled: by the step (default) or ``max_staleness`` steps ahead,
+            from older weights, while the steps between train (``RolloutArgs``).
         dynamic_sampling: DAPO's dynamic sampling, off by default (``DynamicSamplingArgs``).
         validation: what ``val/*`` measures (``ValidationArgs``).
         policy: loading and training the policy: GGUF, LoRA, gradient checkpointing (``PolicyArgs``).
@@ -92,6 +96,7 @@ class RLOOModule(PolicyModule):
         advantage: AdvantageArgs = AdvantageArgs(),
         update: UpdateArgs = UpdateArgs(),
         correction: CorrectionArgs = CorrectionArgs(),
+        rollout: RolloutArgs = RolloutArgs(),
         dynamic_sampling: DynamicSamplingArgs = DynamicSamplingArgs(),
         validation: ValidationArgs = ValidationArgs(),
         policy: PolicyArgs = PolicyArgs(),
@@ -104,7 +109,7 @@ class RLOOModule(PolicyModule):
     ) -> None:
         super().__init__()
         given = dict(rewards=rewards, sampling=sampling, shaping=shaping, kl=kl, advantage=advantage, update=update,
-                     correction=correction, dynamic_sampling=dynamic_sampling, validation=validation, policy=policy,
+                     correction=correction, rollout=rollout, dynamic_sampling=dynamic_sampling, validation=validation, policy=policy,
                      predict=predict, environment=environment, run=run)
         cfg = {name: as_group(GROUPS[name], value) for name, value in given.items()}
         if isinstance(generation_engine, dict):  # load_from_checkpoint: the engine as the checkpoint names it
@@ -115,7 +120,9 @@ class RLOOModule(PolicyModule):
         # Options are stored as given (correction.level auto stays auto) and resolved here, for this engine.
         self.cfg = Options(**cfg)
         self._correction_given = cfg["correction"]
-        self.use_engine(generation_engine or DecodeLoopEngine())
+        # Stale rollouts (rollout.max_staleness) are corrected from the sampler's log-probs: the default engine
+        # then reports them.
+        self.use_engine(generation_engine or DecodeLoopEngine(return_logprobs=self.cfg.rollout.max_staleness > 0))
         if self.cfg.policy.lora is not None:
             lora_config(self.cfg.policy.lora)  # peft missing or a wrong key fails now, before any model is loaded
         # Checkpoints hold plain dicts of primitives: load_from_checkpoint rebuilds the groups from them.
@@ -138,6 +145,8 @@ class RLOOModule(PolicyModule):
         self.kl_term = KLTerm.from_args(c.kl)
         self.policy_loss = PolicyLoss.from_args(c.update, c.kl)
         self.reuse = RolloutReuse(c.update.updates_per_rollout)
+        self.pipeline: RolloutPipeline | None = None  # rollout.max_staleness >= 1: made at fit start (on_fit_start)
+        self._pipeline_state: dict | None = None  # a resumed checkpoint's rollouts ahead, until on_fit_start
         self.grad_stash = GradientStash()
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
         self.policy: torch.nn.Module | None = None
@@ -181,7 +190,10 @@ class RLOOModule(PolicyModule):
         if rollout is None:
             # 1. Rollout: k samples per prompt from pi_theta itself (explicit sampler, seeded by step): on-policy,
             #    as the REINFORCE estimator of step 7 assumes (no importance ratio).
-            rollout = self.sample(batch, c.sampling.k, self.sampling_seed("train", self.global_step), in_step=True)
+            #    rollout.max_staleness K >= 1: sampled from the weights of step g - K while the steps between trained
+            #    (pipeline.py); step 5 corrects it against pi_theta.
+            rollout = self.sample(batch, c.sampling.k, self.sampling_seed("train", self.global_step), in_step=True) \
+                if self.pipeline is None else self.sample_ahead(batch, batch_idx)
             # 2. Rewards: weighted sum of the reward functions (NaN = missing), then the optional shaping.
             rollout.scores, rollout.rewards = self.score(rollout)
             if c.dynamic_sampling.enabled:  # DAPO: more prompts until every group's rewards differ
@@ -263,6 +275,68 @@ class RLOOModule(PolicyModule):
         if in_step:
             sigterm.end_step(framework.module_trainer(self), "after generation")
         return rollout
+
+    def sample_ahead(self, batch: dict, batch_idx: int) -> Rollout:
+        """Step 1 with ``rollout.max_staleness`` K >= 1: this batch's rollout, sampled K optimizer steps ago, after
+        submitting (at an optimizer step's first batch) the rollouts of step g + K from the weights as they are
+        (:class:`~rloo_lightning.pipeline.RolloutPipeline`). A stop signal ends the run here, as in :meth:`sample`."""
+        accumulate = self.run_by.accumulate_grad_batches
+        position = self.global_step * accumulate + batch_idx % accumulate
+        with self.timer("generation"), sharding.gathered_for_generation(self.policy, self._strategy):
+            rollout = self.pipeline.take(position, self.global_step, batch)
+        sigterm.end_step(framework.module_trainer(self), "after generation")
+        return rollout
+
+    def _using(self) -> GenerationContext:
+        return GenerationContext(self.policy, self.tokenizer, self.engine, self._grad_free(), self.reduce_across_ranks)
+
+    def _submit_ahead(self, position: int, version: int) -> tuple[dict, object]:
+        """The batch at loader ``position`` and its rollout started from the current weights (a handle), or sampled
+        whole now by a sampler that cannot overlap (multi-turn episodes). Seeded as the step that trains on it
+        would seed it, so that only the weights differ from a run with K = 0."""
+        batch = self.run_by.datamodule.train_batch(position)
+        batch = {key: v.to(self.device) if isinstance(v, Tensor) else v for key, v in batch.items()}
+        seed = self.sampling_seed("train", position // self.run_by.accumulate_grad_batches)
+        using, k = self._using(), self.cfg.sampling.k
+        if hasattr(self.sampler, "submit"):
+            return batch, self.sampler.submit(using, batch, k, self.generation_config, seed)
+        return batch, self.sampler.sample(using, batch, k, self.generation_config, seed)
+
+    def _collect_ahead(self, pending) -> tuple[Rollout, float | None]:
+        return self.sampler.collect(self._using(), pending)
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if getattr(stage, "value", stage) == "fit" and self.cfg.rollout.max_staleness:
+            self._check_lag()
+
+    def _check_lag(self) -> None:
+        """``rollout.max_staleness`` K >= 1 at fit's setup: a data module that gives a later step's batch, and one
+        line saying what K means for this run and which correction applies."""
+        lag, c = self.cfg.rollout.max_staleness, self.cfg.correction
+        datamodule = self.run_by.datamodule
+        if not callable(getattr(datamodule, "train_batch", None)):
+            raise ValueError(f"rollout.max_staleness={lag} samples the prompts of the next {lag} steps ahead: it needs "
+                             "a data module with train_batch(position), the batch its train loader yields at that "
+                             f"position (PromptDataModule has it; {type(datamodule).__name__} has not)")
+        how = "no correction (the stale samples train as if on-policy: biased)" if c.level == "none" else (
+            f"correction.level {c.level} ({c.mode}, cap {c.cap})")
+        message = (f"rollout.max_staleness={lag}: step g trains on a rollout sampled from the weights of step g-{lag} "
+                   f"(the first {lag} from the initial weights), generated while the steps between train; {how}"
+                   + (f"; with update.updates_per_rollout={self.cfg.update.updates_per_rollout} the last update on "
+                      f"a rollout is {lag + self.cfg.update.updates_per_rollout - 1} steps after its weights"
+                      if self.cfg.update.updates_per_rollout > 1 else ""))
+        (rank_zero_warn if c.level == "none" else rank_zero_info)(message)
+
+    def on_fit_start(self) -> None:
+        lag = self.cfg.rollout.max_staleness
+        if lag and self.pipeline is None:
+            self.pipeline = RolloutPipeline(lag, self.run_by.accumulate_grad_batches,
+                                            self.cfg.update.updates_per_rollout, self._submit_ahead,
+                                            self._collect_ahead)
+        if lag and self._pipeline_state is not None:
+            self.pipeline.load_state_dict(self._pipeline_state)
+            self._pipeline_state = None
 
     def score(self, rollout: Rollout, shape: bool = True) -> tuple[dict[str, Tensor], Tensor]:
         """Step 2: ``(scores, rewards)``: ``{name: [B]}`` per reward function and the task reward ``[B]``, their
@@ -402,6 +476,8 @@ class RLOOModule(PolicyModule):
             entries["rloo_rollout"] = stored  # between two updates on one rollout: the resumed run goes on
         if self.ref is not None and (state := self.ref.state_dict()) is not None:
             entries["rloo_reference"] = state  # kl.ref_sync_steps: it moves, keep it
+        if self.pipeline is not None:
+            entries["rloo_pipeline"] = self.pipeline.state_dict()  # the K rollouts ahead, finished first
         return entries
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -420,16 +496,39 @@ class RLOOModule(PolicyModule):
             self.reuse.load_state_dict(checkpoint["rloo_rollout"])
         if "rloo_reference" in checkpoint and self.ref is not None:
             self.ref.load_state_dict(checkpoint["rloo_reference"])
+        self._pipeline_state = self._check_resumed_lag(checkpoint)
+        if self.pipeline is not None and self._pipeline_state is not None:  # strategies that restore after on_fit_start
+            self.pipeline.load_state_dict(self._pipeline_state)
+            self._pipeline_state = None
         base = self._frozen_base_keys()  # configure_model has run: these are the base model's weights
         if base:
             current = self.state_dict()
             for key in base - checkpoint["state_dict"].keys():
                 checkpoint["state_dict"][key] = current[key]
 
+    def _check_resumed_lag(self, checkpoint: dict) -> dict | None:
+        """The checkpoint's rollouts ahead, for a resumed fit with the same ``rollout.max_staleness``; another lag is
+        refused (the next steps would sample from other weights than the interrupted run's)."""
+        trainer = framework.module_trainer(self)
+        if trainer is None or getattr(trainer.state.fn, "value", trainer.state.fn) != "fit":
+            return None
+        stored = checkpoint.get("rloo_pipeline")
+        saved_lag = stored["lag"] if stored is not None else 0
+        lag = self.cfg.rollout.max_staleness
+        if saved_lag != lag and checkpoint.get("global_step", 0) > 0:
+            raise ValueError(f"rollout.max_staleness={lag}, but this checkpoint was trained with {saved_lag}: a resume "
+                             "keeps the lag (the next steps would otherwise sample from other weights than the "
+                             f"interrupted run's). Resume with --model.rollout.max_staleness {saved_lag}, or export the "
+                             "weights and start a new fit from them")
+        return stored
+
     # -- metrics -------------------------------------------------------------------------------
     def log_train_metrics(self, rollout: Rollout, entropy: Tensor, loss: Tensor) -> dict[str, float]:
         """Log the step's metrics, each an exact global mean: sums and counts are all-reduced, not means."""
         sums = train_metric_sums(rollout, entropy, loss)
+        if self.pipeline is not None:  # staleness, the trainer's wait, the engine's idle time, the queue
+            sums.update({name: (torch.tensor(value), torch.tensor(1.0))
+                         for name, value in self.pipeline.metrics(self.global_step).items()})
         stacked = torch.stack([torch.stack([s.float().to(self.device), n.float().to(self.device)])
                                for s, n in sums.values()])
         stacked = self.reduce_across_ranks(stacked, "sum")

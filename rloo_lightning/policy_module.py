@@ -55,7 +55,8 @@ class PolicyModule(LightningModule):
     def use_engine(self, engine: GenerationEngine) -> None:
         """Sample with ``engine``: ``correction.level: auto`` becomes its ``default_correction`` (config.py)."""
         self.engine = engine
-        self.cfg.correction = self._correction_given.for_engine(engine)
+        rollout = getattr(self.cfg, "rollout", None)  # stale rollouts: auto corrects whatever the engine
+        self.cfg.correction = self._correction_given.for_engine(engine, stale=bool(rollout and rollout.max_staleness))
         check_options(self.cfg)
 
     def _check_engine(self, device: torch.device, stage: str) -> None:

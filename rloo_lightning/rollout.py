@@ -15,7 +15,7 @@ from rloo_lightning.engines import GenerationEngine, HFGenerateEngine
 from rloo_lightning.algo.logprobs import completion_mask
 
 __all__ = ["Rollout", "Episodes", "eos_list", "concat_groups", "sampling_config", "default_eos_ids", "derive_seed",
-           "generate_rollout", "stop_string_ends", "generation_configs", "normal_tensor", "GenerationContext",
+           "generate_rollout", "rollout_from_ids", "stop_string_ends", "generation_configs", "normal_tensor", "GenerationContext",
            "Sampler", "CompletionSampler"]
 
 
@@ -406,6 +406,16 @@ def generate_rollout(
     prompt_ids, prompt_mask = input_ids.repeat_interleave(k, dim=0), attention_mask.repeat_interleave(k, dim=0)
     with grad_free if grad_free is not None else torch.no_grad():
         completion_ids = engine.generate(model, tokenizer, prompt_ids, prompt_mask, generation_config, seed)
+    return rollout_from_ids(tokenizer, input_ids, attention_mask, prompts, columns, k, generation_config,
+                            completion_ids, type(engine).__name__)
+
+
+def rollout_from_ids(tokenizer, input_ids: Tensor, attention_mask: Tensor, prompts: list[str],
+                     columns: dict[str, list], k: int, generation_config: GenerationConfig, completion_ids,
+                     engine_name: str) -> Rollout:
+    """The rollout of what an engine returned (``[B, T']`` ids, or ``(ids, logprobs)``) for ``N`` prompts ``[N, P]``
+    repeated ``k`` times: masks (first EOS, stop strings), truncation, texts."""
+    prompt_ids, prompt_mask = input_ids.repeat_interleave(k, dim=0), attention_mask.repeat_interleave(k, dim=0)
     sampler_logp = None
     if isinstance(completion_ids, (tuple, list)):  # the engine reported log pi_s of what it sampled
         completion_ids, sampler_logp = completion_ids
@@ -424,7 +434,7 @@ def generate_rollout(
     texts = tokenizer.batch_decode([row[:n] for row, n in zip(completion_ids.tolist(), lengths)],
                                    skip_special_tokens=True)
     return Rollout.sampled(k, input_ids, attention_mask, prompts, columns, completion_ids, mask, ~ended, texts,
-                           sampler_logp, source=f"{type(engine).__name__}.generate")
+                           sampler_logp, source=f"{engine_name}.generate")
 
 
 @dataclass
@@ -458,3 +468,22 @@ class CompletionSampler:
         return generate_rollout(using.model, using.tokenizer, batch["input_ids"], batch["attention_mask"],
                                 batch["prompt"], batch["columns"], k, generation_config, seed, engine=using.engine,
                                 grad_free=using.grad_free)
+
+    def submit(self, using: GenerationContext, batch: dict, k: int, generation_config: GenerationConfig,
+               seed: int) -> tuple:
+        """Start the sample of :meth:`sample` with the engine's ``submit`` (``rollout.max_staleness``); the handle
+        for :meth:`collect`."""
+        prompt_ids = batch["input_ids"].repeat_interleave(k, dim=0)
+        prompt_mask = batch["attention_mask"].repeat_interleave(k, dim=0)
+        with using.grad_free:
+            handle = using.engine.submit(using.model, using.tokenizer, prompt_ids, prompt_mask, generation_config,
+                                         seed)
+        return handle, batch, k, generation_config
+
+    def collect(self, using: GenerationContext, pending: tuple) -> tuple[Rollout, float | None]:
+        """The rollout of a :meth:`submit`, and the engine's seconds on it (None: not known)."""
+        handle, batch, k, generation_config = pending
+        ids = using.engine.collect(handle)
+        rollout = rollout_from_ids(using.tokenizer, batch["input_ids"], batch["attention_mask"], batch["prompt"],
+                                   batch["columns"], k, generation_config, ids, type(using.engine).__name__)
+        return rollout, getattr(handle, "seconds", None)

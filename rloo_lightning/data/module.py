@@ -438,6 +438,7 @@ class PromptDataModule(LightningDataModule):
                                    position=self._consumed_batches if trainer is not None else None)
         # drop_last: every rollout has batch_size prompts, so steps are alike.
         self._warn_incomplete_batch(sampler, world)
+        self._train_sampler = sampler
         return ResumableDataLoader(self.train_rows, batch_size=hp.batch_size, sampler=sampler, drop_last=True,
                                    collate_fn=self._collate())
 
@@ -467,6 +468,13 @@ class PromptDataModule(LightningDataModule):
         generator = torch.Generator().manual_seed(seed)
         picks = torch.randperm(len(self.train_rows), generator=generator)[:num_prompts].tolist()
         return self._collate()(self.train_rows.__getitems__(picks))
+
+    def train_batch(self, position: int) -> dict:
+        """The batch this rank's training loader yields after ``position`` batches (repeats counted), collated as
+        the loader collates it: ``rollout.max_staleness`` samples a later step's prompts ahead of that step."""
+        if getattr(self, "_train_sampler", None) is None:
+            self.train_dataloader()
+        return self._collate()(self.train_rows.__getitems__(self._train_sampler.batch_at(position)))
 
     def _consumed_batches(self) -> int:
         """Training batches this rank has consumed: optimizer steps x accumulation (restored on resume)."""

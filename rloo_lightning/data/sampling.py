@@ -63,19 +63,35 @@ class ResumableSampler(DistributedSampler):
     def __iter__(self):
         skip = 0
         if self.position is not None:
-            per_epoch = max(1, (self.num_samples // self.batch_size) * self.repeat)
-            self.epoch, done = divmod(self.position(), per_epoch)
+            self.epoch, done = divmod(self.position(), self._per_epoch())
             skip = done * self.batch_size
+        order = self._batches(self.epoch).repeat_interleave(self.repeat, dim=0).flatten()
+        # len() stays the full shard: Lightning numbers a resumed epoch's batches from its restored count.
+        return (i for chunk in order[skip:].split(4096) for i in chunk.tolist())
+
+    def batch_at(self, position: int) -> list[int]:
+        """The dataset indices of the batch this rank's loader yields after ``position`` batches (repeats
+        counted), without iterating: fixed-lag rollouts (``rollout.max_staleness``) sample a later step's prompts
+        ahead of it."""
+        epoch, done = divmod(position, self._per_epoch())
+        return self._batches(epoch)[done // self.repeat].tolist()
+
+    def _per_epoch(self) -> int:
+        return max(1, (self.num_samples // self.batch_size) * self.repeat)
+
+    def _batches(self, epoch: int):
+        """``[batches, batch_size]`` this rank's batches of ``epoch`` (before repeats)."""
+        if getattr(self, "_cached", (None,))[0] == epoch:
+            return self._cached[1]
         # DistributedSampler's own permutation (shuffle, drop_last), kept as a tensor: a prompt set of
         # millions of rows costs 8 bytes a row here, not a Python int each.
         generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
+        generator.manual_seed(self.seed + epoch)
         order = torch.randperm(len(self.dataset), generator=generator)[:self.total_size]
         order = order[self.rank:self.total_size:self.num_replicas]
         b = self.batch_size
-        order = order[:(len(order) // b) * b].view(-1, b).repeat_interleave(self.repeat, dim=0).flatten()
-        # len() stays the full shard: Lightning numbers a resumed epoch's batches from its restored count.
-        return (i for chunk in order[skip:].split(4096) for i in chunk.tolist())
+        self._cached = (epoch, order[:(len(order) // b) * b].view(-1, b))
+        return self._cached[1]
 
 
 def collate_prompts(rows: list[dict], pad_token_id: int) -> dict:
