@@ -187,13 +187,18 @@ class RLOOModule(PolicyModule):
     def training_step(self, batch: dict, batch_idx: int) -> Tensor | None:
         c = self.cfg
         rollout = self.reuse.take(batch)  # update.updates_per_rollout > 1: the stored rollout, while it has updates
-        if rollout is None:
+        fresh = rollout is None
+        if self.pipeline is not None:
+            # 1. (rollout.max_staleness K >= 1) Submit step g + K's rollout from these weights, and take this step's,
+            #    sampled from the weights of step g - K while the steps between trained (pipeline.py); step 5
+            #    corrects it against pi_theta.
+            ahead = self.sample_ahead(batch, batch_idx, take=fresh)
+            rollout = ahead if fresh else rollout
+        elif fresh:
             # 1. Rollout: k samples per prompt from pi_theta itself (explicit sampler, seeded by step): on-policy,
             #    as the REINFORCE estimator of step 7 assumes (no importance ratio).
-            #    rollout.max_staleness K >= 1: sampled from the weights of step g - K while the steps between trained
-            #    (pipeline.py); step 5 corrects it against pi_theta.
-            rollout = self.sample(batch, c.sampling.k, self.sampling_seed("train", self.global_step), in_step=True) \
-                if self.pipeline is None else self.sample_ahead(batch, batch_idx)
+            rollout = self.sample(batch, c.sampling.k, self.sampling_seed("train", self.global_step), in_step=True)
+        if fresh:
             # 2. Rewards: weighted sum of the reward functions (NaN = missing), then the optional shaping.
             rollout.scores, rollout.rewards = self.score(rollout)
             if c.dynamic_sampling.enabled:  # DAPO: more prompts until every group's rewards differ
@@ -276,14 +281,16 @@ class RLOOModule(PolicyModule):
             sigterm.end_step(framework.module_trainer(self), "after generation")
         return rollout
 
-    def sample_ahead(self, batch: dict, batch_idx: int) -> Rollout:
-        """Step 1 with ``rollout.max_staleness`` K >= 1: this batch's rollout, sampled K optimizer steps ago, after
-        submitting (at an optimizer step's first batch) the rollouts of step g + K from the weights as they are
-        (:class:`~rloo_lightning.pipeline.RolloutPipeline`). A stop signal ends the run here, as in :meth:`sample`."""
+    def sample_ahead(self, batch: dict, batch_idx: int, take: bool = True) -> Rollout | None:
+        """Step 1 with ``rollout.max_staleness`` K >= 1: submit (at an optimizer step's first batch) the rollouts of
+        step g + K from the weights as they are, then (``take``) this batch's rollout, sampled K optimizer steps ago
+        (:class:`~rloo_lightning.pipeline.RolloutPipeline`). A step that reuses its rollout submits all the same, so
+        that the lag stays K. A stop signal ends the run here, as in :meth:`sample`."""
         accumulate = self.run_by.accumulate_grad_batches
         position = self.global_step * accumulate + batch_idx % accumulate
         with self.timer("generation"), sharding.gathered_for_generation(self.policy, self._strategy):
-            rollout = self.pipeline.take(position, self.global_step, batch)
+            self.pipeline.submit_due(position, self.global_step)
+            rollout = self.pipeline.take(position, batch) if take else None
         sigterm.end_step(framework.module_trainer(self), "after generation")
         return rollout
 

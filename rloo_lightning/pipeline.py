@@ -86,17 +86,20 @@ class RolloutPipeline:
         a = self.accumulate
         return [p for p in range(version * a, (version + self.lag + 1) * a) if p % self.repeat == 0]
 
-    def take(self, position: int, version: int, batch: dict) -> Rollout:
-        """The rollout of the batch at ``position`` (trained at optimizer step ``version``), after submitting, at an
-        optimizer step's first micro-batch, what is due and not yet in hand."""
+    def submit_due(self, position: int, version: int) -> None:
+        """At an optimizer step's first micro-batch (``position``, at step ``version``): submit what is due and not yet
+        in hand, from the weights as they are."""
         if position % self.accumulate == 0:
             missing = [p for p in self.due(version) if p not in self.ahead]
             if missing:
                 self._start_round(version, missing)
+
+    def take(self, position: int, batch: dict) -> Rollout:
+        """The rollout of the batch at ``position``, checked against the loader's ``batch``."""
         entry = self.ahead.pop(position, None)
         if entry is None:
-            raise RuntimeError(f"rollout.max_staleness: no rollout was sampled for the batch at position {position} "
-                               f"(optimizer step {version}); positions in hand: {sorted(self.ahead)}")
+            raise RuntimeError(f"rollout.max_staleness: no rollout was sampled for the batch at position {position}; "
+                               f"positions in hand: {sorted(self.ahead)}")
         self._finish(entry)
         self._check_batch(entry, batch)
         self.version_in_use = entry.version
