@@ -336,6 +336,7 @@ class RLOOModule(PolicyModule):
         (rank_zero_warn if c.level == "none" else rank_zero_info)(message)
 
     def on_fit_start(self) -> None:
+        super().on_fit_start()
         lag = self.cfg.rollout.max_staleness
         if lag and self.pipeline is None:
             self.pipeline = RolloutPipeline(lag, self.run_by.accumulate_grad_batches,
@@ -483,9 +484,17 @@ class RLOOModule(PolicyModule):
             entries["rloo_rollout"] = stored  # between two updates on one rollout: the resumed run goes on
         if self.ref is not None and (state := self.ref.state_dict()) is not None:
             entries["rloo_reference"] = state  # kl.ref_sync_steps: it moves, keep it
-        if self.pipeline is not None:
-            entries["rloo_pipeline"] = self.pipeline.state_dict()  # the K rollouts ahead, finished first
+        if self.pipeline is not None:  # the K rollouts ahead, finished first; each rank's own (its own prompts)
+            entries["rloo_pipeline"] = {"lag": self.pipeline.lag, "ranks": self._every_rank(self.pipeline.state_dict())}
         return entries
+
+    def _every_rank(self, state) -> list:
+        """``state`` of every rank, by global rank (a collective: every rank calls it at the same point)."""
+        if self.world_size == 1 or not torch.distributed.is_initialized():
+            return [state]
+        states = [None] * self.world_size
+        torch.distributed.all_gather_object(states, state)
+        return states
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint.update(self.checkpoint_entries())
@@ -527,7 +536,13 @@ class RLOOModule(PolicyModule):
                              "keeps the lag (the next steps would otherwise sample from other weights than the "
                              f"interrupted run's). Resume with --model.rollout.max_staleness {saved_lag}, or export the "
                              "weights and start a new fit from them")
-        return stored
+        if stored is None:
+            return None
+        if len(stored["ranks"]) != self.world_size:
+            raise ValueError(f"rollout.max_staleness={lag}: this checkpoint holds the rollouts ahead of "
+                             f"{len(stored['ranks'])} ranks, sampled from their shards of the data; it resumes on "
+                             f"{len(stored['ranks'])} ranks, not {self.world_size}")
+        return stored["ranks"][self.global_rank]
 
     # -- metrics -------------------------------------------------------------------------------
     def log_train_metrics(self, rollout: Rollout, entropy: Tensor, loss: Tensor) -> dict[str, float]:

@@ -164,9 +164,9 @@ class RolloutPipeline:
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The finished rollouts ahead (collected first: a checkpoint holds whole samples) and the lag."""
+        """The finished rollouts ahead (collected first: a checkpoint holds whole samples)."""
         self.drain()
-        return {"lag": self.lag, "version_in_use": self.version_in_use,
+        return {"version_in_use": self.version_in_use,
                 "ahead": [{"position": e.position, "version": e.version, "rows": e.rows, "prompt_ids": e.prompt_ids,
                            "fields": dataclasses.asdict(e.rollout)} for e in self.ahead.values()]}
 

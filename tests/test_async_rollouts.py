@@ -170,8 +170,8 @@ def test_a_resumed_run_ends_bit_identical_to_the_uninterrupted_one(tiny_model_di
     _fit(tiny_model_dir, tmp_path / "b", 3, lag, accumulate=accumulate)
     stopped = sorted((tmp_path / "b" / "ckpt").glob("*step=3.ckpt"))[0]
     _, state = _policy(stopped)
-    assert len(state["rloo_pipeline"]["ahead"]) == lag * accumulate  # the rollouts ahead, finished
-    assert all(entry["fields"]["completion_ids"].numel() for entry in state["rloo_pipeline"]["ahead"])
+    assert len(state["rloo_pipeline"]["ranks"][0]["ahead"]) == lag * accumulate  # the rollouts ahead, finished
+    assert all(entry["fields"]["completion_ids"].numel() for entry in state["rloo_pipeline"]["ranks"][0]["ahead"])
     _fit(tiny_model_dir, tmp_path / "b2", 6, lag, accumulate=accumulate, ckpt_path=stopped)
     end_a = sorted((tmp_path / "a" / "ckpt").glob("*step=6.ckpt"))[0]
     end_b = sorted((tmp_path / "b2" / "ckpt").glob("*step=6.ckpt"))[0]
@@ -179,7 +179,7 @@ def test_a_resumed_run_ends_bit_identical_to_the_uninterrupted_one(tiny_model_di
     assert wa.keys() == wb.keys()
     for key in wa:
         assert torch.equal(wa[key], wb[key]), key
-    for x, y in zip(sa["rloo_pipeline"]["ahead"], sb["rloo_pipeline"]["ahead"]):
+    for x, y in zip(sa["rloo_pipeline"]["ranks"][0]["ahead"], sb["rloo_pipeline"]["ranks"][0]["ahead"]):
         assert x["position"] == y["position"] and torch.equal(x["fields"]["completion_ids"],
                                                               y["fields"]["completion_ids"])
 

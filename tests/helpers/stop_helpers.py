@@ -100,8 +100,8 @@ class SignallingEngine(DecodeLoopEngine):
     rank ``rank`` sends it (a SIGTERM reaches that rank alone: rank 0 passes it to the ranks it launched, another
     rank does not; a SIGINT reaches every rank, as a terminal's Ctrl-C)."""
 
-    def __init__(self, at_call: int = -1, rank: int = 0, sig: str = "SIGTERM") -> None:
-        super().__init__()
+    def __init__(self, at_call: int = -1, rank: int = 0, sig: str = "SIGTERM", return_logprobs: bool = False) -> None:
+        super().__init__(return_logprobs=return_logprobs)
         self.at_call, self.rank, self.sig, self.calls = at_call, rank, sig, 0
 
     def generate(self, *args, **kwargs):
