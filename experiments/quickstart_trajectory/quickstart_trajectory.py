@@ -15,6 +15,9 @@ validation, rounded to 3 decimals, under a line naming this script, the package 
 for bit); the wall time, which is not deterministic, goes to stderr. ``tests/test_readme_figures.py`` checks
 that this folder's README.md holds it verbatim.
 
+Options of the fit after ``--`` are passed on (``-- --model.model_name_or_path DIR --model.generation_engine
+rloo_lightning.engines.vllm.VLLMEngine``: the vLLM record of this folder's README, made with ``.venv-vllm``'s python).
+
 ``--max-steps N`` runs only the first N steps, with the full run's warm-up steps (the default schedule's warm-up is
 a fraction of ``max_steps``; after it the rate is constant), so the logged values up to step N are the full run's
 (the test suite checks the README's first rows this way). ``--cache DIR`` builds the tiny model into ``DIR``, or
@@ -38,7 +41,8 @@ VAL_TAGS = ["val/reward", "val/reward_greedy", "val/accuracy_greedy"]  # the tab
 TAGS = [*VAL_TAGS, "train/reward", "train/kl", "train/loss", "train/completion_length"]
 
 
-def run(cache: Path | None = None, max_steps: int | None = None) -> tuple[dict[str, list[list[float]]], float]:
+def run(cache: Path | None = None, max_steps: int | None = None,
+        fit_args: list[str] = ()) -> tuple[dict[str, list[list[float]]], float]:
     from benchmarks.bench_common import scalar_curves  # here: the tests import this file for markdown_table alone
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -46,7 +50,7 @@ def run(cache: Path | None = None, max_steps: int | None = None) -> tuple[dict[s
         env = {**os.environ, "RLOO_LIGHTNING_CACHE": str(cache or Path(tmp) / "cache")}
         cmd = [sys.executable, "-m", "rloo_lightning", "fit", "--config", str(ROOT / "configs" / "quickstart.yaml"),
                "--trainer.default_root_dir", tmp, "--trainer.enable_progress_bar", "false",
-               *(_prefix_args(max_steps) if max_steps else [])]
+               *(_prefix_args(max_steps) if max_steps else []), *fit_args]
         start = time.perf_counter()
         subprocess.run(cmd, check=True, cwd=tmp, env=env, stdout=subprocess.DEVNULL)
         wall = time.perf_counter() - start  # the whole fit: start-up, building the tiny model (if new), the steps
@@ -110,8 +114,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--markdown", action="store_true", help="print the quickstart table instead of the JSON")
     parser.add_argument("--cache", type=Path, help="model cache to build into or reuse (default: a fresh one)")
     parser.add_argument("--max-steps", type=int, help="only the first N steps (default: the config's)")
+    parser.add_argument("fit_args", nargs="*", help="after --: more options of the fit (e.g. another model and "
+                        "--model.generation_engine rloo_lightning.engines.vllm.VLLMEngine)")
     args = parser.parse_args(argv)
-    curves, wall = run(args.cache, args.max_steps)
+    curves, wall = run(args.cache, args.max_steps, args.fit_args)
     if args.markdown:
         from rloo_lightning import __version__
 
