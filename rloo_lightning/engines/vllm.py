@@ -21,6 +21,21 @@ correction can be on. Each row has its own seed, derived from the step's seed an
 function of (weights, prompts, seed): on a CPU a resumed run replays the same rollouts. ``import rloo_lightning``
 never imports vLLM: this module is the trainer's side; the child's side (``vllm_child.py``) imports vLLM only inside
 the child.
+
+Overlap (``rollout.max_staleness >= 1``, :attr:`VLLMEngine.overlaps`): :meth:`~VLLMEngine.submit` sends a generate
+request and returns at once; :meth:`~VLLMEngine.collect` waits for its answer. Requests carry ids and the child
+answers them one at a time, in the order sent; an answer that comes while the trainer waits for another is kept
+until collected (a synchronous :meth:`~VLLMEngine.generate` sent behind a submitted request gets its answer second).
+A stop signal cuts a synchronous generate short, never a submitted one (its rollout goes into a checkpoint whole).
+Rule for the weights: a push first waits for the answer of every pending request, then writes the shared buffers
+and loads them. So no push overwrites buffers the child may still read, and every request samples from the weights
+of the last push before it was sent. Its cost: a request can overlap the trainer only until the next push, so with
+one engine a request submitted at step g must finish before step g+1's first generation; the overlap is one step's
+generation against one step's training (what the module's fixed-lag pipeline needs: it collects every pending
+rollout at the step's end anyway). Fail, never hang: while the trainer waits, a child that ends raises
+``RuntimeError`` and one that sends nothing for ``stall_timeout`` seconds raises ``TimeoutError``; the child sends a
+heartbeat at each request's start and every couple of seconds while it generates, so only a stuck child is silent
+that long.
 """
 
 from __future__ import annotations
@@ -28,6 +43,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
+import itertools
 import os
 import tempfile
 import time
@@ -37,7 +53,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rloo_lightning.engines.base import GenerationEngine
+from rloo_lightning.engines.base import GenerationEngine, Submitted
 from rloo_lightning.engines.kv_cache import base_model
 from rloo_lightning.engines.vllm_child import _serve
 from rloo_lightning.runtime import sigterm
@@ -50,6 +66,11 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 _POLL_SECONDS = 0.05  # how often the trainer checks for a stop signal while the child generates
+#: The child's heartbeat period while it generates, at most (a fifth of ``stall_timeout`` when that is shorter), so
+#: that a live child is never silent for a whole ``stall_timeout``.
+_HEARTBEAT_SECONDS = 2.0
+#: Request ids, unique in this process: a handle of a closed engine's child never names a request of its next one.
+_request_ids = itertools.count()
 #: vLLM's log level in the child unless ``VLLM_LOGGING_LEVEL`` is set: its INFO lines (about 20 at start, 3 a push)
 #: describe its own setup, not the run.
 _VLLM_LOG_LEVEL = "WARNING"
@@ -100,6 +121,10 @@ class VLLMEngine(GenerationEngine):
         enable_prefix_caching: share the KV blocks of a prompt's k copies (reset after every push).
         enforce_eager: no CUDA graphs (GPU): slower decoding, faster start, less memory.
         startup_timeout: seconds the child may take to import vLLM and build the engine.
+        stall_timeout: seconds the child may send nothing while the trainer waits for it (a push, a generate, a
+            :meth:`collect`): then ``TimeoutError``, not a hang. The child sends a heartbeat at each request's start
+            and every 2 s (or ``stall_timeout / 5``) between its engine steps while it generates, so only a stuck
+            child (or a single engine step, or a push, longer than this) is silent that long.
         sampler_temperature: sample at this temperature instead of ``sampling.temperature`` (the log-probs follow
             it): a sampler that differs from pi_theta by a known amount, to test the correction.
 
@@ -109,6 +134,10 @@ class VLLMEngine(GenerationEngine):
     attention lacks (:data:`CPU_HEAD_SIZES`). ``sampling.stop_strings`` do not stop vLLM early: the module's mask
     ends the completion at the first stop string, as with every engine (the tokens after it cost time only).
 
+    Overlap: :meth:`submit` sends the request and returns; the child generates while the trainer trains, and
+    :meth:`collect` waits for the answer (``rollout.max_staleness``). A push waits for every pending request first,
+    so the overlap spans one step (see the module docstring).
+
     Default correction: the engine is not pi_theta (other kernels, and with ``dtype`` another precision), so with
     ``correction.level: auto`` (the default) the module applies :attr:`default_correction`, token-level
     truncated importance weights with cap 2 (TIS, as verl's rollout correction; TRL turns its vLLM correction on by
@@ -117,13 +146,14 @@ class VLLMEngine(GenerationEngine):
     """
 
     reports_logprobs = True
+    overlaps = True  # submit sends the request and returns; the child generates while the trainer trains
     default_correction = "token"  # with the default correction.mode (truncate) and cap (2)
 
     def __init__(self, dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
                  kv_cache_bytes: int | None = None, gpu_memory_utilization: float = 0.3, sleep_level: int = 0,
                  max_model_len: int | None = None, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
                  enforce_eager: bool = True, startup_timeout: float = 600.0,
-                 sampler_temperature: float | None = None) -> None:
+                 sampler_temperature: float | None = None, stall_timeout: float = 600.0) -> None:
         if dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"VLLMEngine dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
         if kv_cache_bytes is not None and kv_cache_bytes <= 0:
@@ -136,6 +166,9 @@ class VLLMEngine(GenerationEngine):
             raise ValueError(f"VLLMEngine max_num_seqs must be >= 1, got {max_num_seqs}")
         if sampler_temperature is not None and sampler_temperature <= 0:
             raise ValueError(f"VLLMEngine sampler_temperature must be > 0, got {sampler_temperature}")
+        if not stall_timeout > 0:
+            raise ValueError(f"VLLMEngine stall_timeout must be > 0, got {stall_timeout}")
+        self.stall_timeout = stall_timeout
         self.sampler_temperature = sampler_temperature
         self.dtype, self.kv_cache_bytes, self.gpu_memory_utilization = dtype, kv_cache_bytes, gpu_memory_utilization
         self.sleep_level, self.max_model_len, self.max_num_seqs = sleep_level, max_model_len, max_num_seqs
@@ -201,7 +234,7 @@ class VLLMEngine(GenerationEngine):
                           max_model_len=self.max_model_len or getattr(config, "max_position_embeddings", None),
                           gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
                           enable_sleep_mode=self.sleep_level > 0)
-        self._worker = _Worker(device, torch.get_num_threads(), self.startup_timeout)
+        self._worker = _Worker(device, torch.get_num_threads(), self.startup_timeout, self.stall_timeout)
         archs = list(getattr(config, "architectures", None) or [type(base).__name__])
         self._worker.call("build", llm_kwargs, archs)
         from lightning.pytorch.utilities import rank_zero_info
@@ -209,16 +242,22 @@ class VLLMEngine(GenerationEngine):
         rank_zero_info(silenced_line())
 
     def close(self) -> None:
-        """Stop the child process (it also ends with this process)."""
+        """Stop the child process (it also ends with this process). Requests still pending are dropped: the child
+        is killed at once rather than left to finish them."""
         if self._worker is not None:
             self._worker.close()
         self._worker, self._buffers, self.stale = None, None, True
 
     def push(self, model) -> float:
-        """Copy the policy's current weights into the engine; returns the seconds it took."""
+        """Copy the policy's current weights into the engine; returns the seconds it took.
+
+        Waits first for the answer of every pending request (kept for :meth:`collect`): the buffers are written only
+        when the child cannot be about to read them, and a request sent before this push samples from the weights of
+        the push before it (see the module docstring)."""
         start = time.perf_counter()
         if self._worker is None:
             self._start(model)
+        self._worker.drain()
         with torch.no_grad():
             weights = dict(_named_weights(model))
             first = self._buffers is None
@@ -232,7 +271,31 @@ class VLLMEngine(GenerationEngine):
         self.push_seconds.append(time.perf_counter() - start)
         return self.push_seconds[-1]
 
+    def submit(self, model, tokenizer, prompt_ids, prompt_mask, generation_config, seed) -> Submitted:
+        """Send the generate request of :meth:`generate` (after a push if the weights are stale) and return at once;
+        :meth:`collect` waits for its answer. A stop signal does not cut it short."""
+        return self._send(model, prompt_ids, prompt_mask, generation_config, seed, stoppable=False)
+
+    def collect(self, handle: Submitted):
+        """``(ids [B, T'], logprobs [B, T'])`` of a :meth:`submit`, as :meth:`generate` returns them; waits for the
+        child's answer (other answers that come meanwhile are kept). Sets ``handle.seconds`` to the child's own time
+        on the request (from its start there to its answer, the queue before it not counted)."""
+        if handle.value is not None:
+            return handle.value
+        rid, pad, device, stoppable = handle.key
+        if self._worker is None:
+            raise RuntimeError(f"VLLMEngine: request {rid} was pending when the engine was closed")
+        samples, seconds = self._worker.result(rid, stoppable)
+        handle.value, handle.seconds = _padded(samples, pad, device), seconds
+        return handle.value
+
     def generate(self, model, tokenizer, prompt_ids, prompt_mask, generation_config, seed):
+        """:meth:`collect` of a :meth:`submit`, except that a stop signal while it waits
+        (:func:`rloo_lightning.runtime.sigterm.check`) ends every row at its current token, as the decode loop
+        does."""
+        return self.collect(self._send(model, prompt_ids, prompt_mask, generation_config, seed, stoppable=True))
+
+    def _send(self, model, prompt_ids, prompt_mask, generation_config, seed, stoppable: bool) -> Submitted:
         if self.stale or self._worker is None:
             self.push(model)
         prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
@@ -240,15 +303,9 @@ class VLLMEngine(GenerationEngine):
         if self.sampler_temperature is not None and params["temperature"] > 0:
             params["temperature"] = self.sampler_temperature
         seeds = [(seed + 0x9E3779B97F4A7C15 * (i + 1)) % 2**63 for i in range(len(prompts))]
-        samples = self._worker.call("generate", prompts, params, seeds, self.sleep_level)
-        width = max(1, max(len(ids) for ids, _ in samples))
+        rid = self._worker.send("generate", prompts, params, seeds, self.sleep_level, stoppable=stoppable)
         pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else 0
-        ids = torch.full((len(samples), width), pad, dtype=torch.long)
-        logp = torch.zeros(len(samples), width)
-        for i, (row_ids, row_logp) in enumerate(samples):
-            ids[i, : len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
-            logp[i, : len(row_logp)] = torch.tensor(row_logp)
-        return ids.to(prompt_ids.device), logp.to(prompt_ids.device)
+        return Submitted(key=(rid, pad, prompt_ids.device, stoppable))
 
     def stats(self) -> dict:
         """The child's figures: ``peak_rss_mb`` (its own peak resident memory; the trainer's is apart)."""
@@ -258,6 +315,18 @@ class VLLMEngine(GenerationEngine):
         state = dict(self.__dict__)
         state.update(_worker=None, _buffers=None, stale=True, _config_dir=None)
         return state
+
+
+def _padded(samples: list, pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``[(token ids, log-probs)]`` per row as ``(ids [B, T'], logprobs [B, T'])`` on ``device``: right-padded with
+    ``pad`` (log-prob 0), ``T'`` the longest row (at least 1)."""
+    width = max(1, max((len(ids) for ids, _ in samples), default=0))
+    ids = torch.full((len(samples), width), pad, dtype=torch.long)
+    logp = torch.zeros(len(samples), width)
+    for i, (row_ids, row_logp) in enumerate(samples):
+        ids[i, : len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
+        logp[i, : len(row_logp)] = torch.tensor(row_logp)
+    return ids.to(device), logp.to(device)
 
 
 def _sampling_params(config) -> dict:
@@ -312,10 +381,24 @@ def _lora_deltas(model) -> dict[str, Tensor]:
     return deltas
 
 
-class _Worker:
-    """The child process that holds the vLLM engine, and the pipe to it."""
+class _ChildEnded(RuntimeError):
+    """The engine's child process ended while the trainer waited for it."""
 
-    def __init__(self, device: torch.device, threads: int, timeout: float) -> None:
+
+class _ChildStalled(TimeoutError):
+    """The engine's child sent nothing for ``stall_timeout`` seconds (or did not start within ``startup_timeout``)."""
+
+
+class _Worker:
+    """The child process that holds the vLLM engine, and the pipe to it.
+
+    Requests go out as ``(verb, id, args, stoppable)``; the child answers them in order with ``("answer", id,
+    status, value, seconds)`` and sends ``("beat", id)`` while it works. :meth:`send` returns the id; :meth:`result`
+    waits for that id's answer, keeping every other answer that comes meanwhile (:attr:`answers`) until its own
+    :meth:`result`.
+    """
+
+    def __init__(self, device: torch.device, threads: int, timeout: float, stall_timeout: float = 600.0) -> None:
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
@@ -327,56 +410,146 @@ class _Worker:
                "TOKENIZERS_PARALLELISM": "false"}
         if device.type == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = _visible_device(device)
+        heartbeat = min(_HEARTBEAT_SECONDS, stall_timeout / 5)
         # spawn copies this process's environment at start, and would run the user's script again in the child
         # (a script without a `__main__` guard would start training there): the child needs nothing from it.
         # SIGINT held: the spawned child imports for seconds before it ignores the signal (sigterm.sigint_held).
         with _environment(env, drop=_LAUNCHER_ENV), _main_script_hidden(), sigterm.sigint_held():
-            self.process = ctx.Process(target=_serve, args=(child, self.stop_event), daemon=True,
+            self.process = ctx.Process(target=_serve, args=(child, self.stop_event, heartbeat), daemon=True,
                                        name="rloo-vllm-engine")
             self.process.start()
         child.close()
-        self.timeout = timeout
+        self.timeout, self.stall_timeout = timeout, stall_timeout
+        self.pending: dict[int, str] = {}  # id -> verb: sent, not answered yet
+        self.answers: dict[int, tuple] = {}  # id -> (status, value, seconds): answered, not yet asked for
+        self.dropped: set[int] = set()  # pending ids whose answer nobody will ask for (a wait cut by a stop)
+        self.heard = False  # whether the child has sent anything yet (before that, it imports: startup_timeout)
         # Before multiprocessing's own exit handler (atexit runs last-registered first), which would SIGTERM the
         # child (it ignores SIGTERM) and wait for it without a limit.
         atexit.register(self.close)
 
     def call(self, verb: str, *args):
-        """Send one request and wait for its answer. A stop signal (:func:`rloo_lightning.runtime.sigterm.check`)
-        while the child generates tells it to end every row at its current token, as the decode loop does."""
-        self.conn.send((verb, args))
-        deadline = time.monotonic() + self.timeout if verb == "build" else None
+        """Send one request and wait for its answer's value."""
+        return self.result(self.send(verb, *args))[0]
+
+    def send(self, verb: str, *args, stoppable: bool = False) -> int:
+        """Send a request; its id. ``stoppable``: :attr:`stop_event` may cut it short (a synchronous generate)."""
+        rid = next(_request_ids)
         try:
-            while not self.conn.poll(_POLL_SECONDS):
-                if not self.process.is_alive():
-                    raise RuntimeError(f"the vLLM engine's process ended (exit code {self.process.exitcode}) "
-                                       f"during {verb!r}")
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"the vLLM engine did not start within {self.timeout:.0f} s "
-                                       "(VLLMEngine startup_timeout)")
-                if verb == "generate" and sigterm.check("generation"):
-                    self.stop_event.set()
-        except BaseException:  # a stop raised here: the child still answers; read it so the pipe stays in step
-            self.stop_event.set()
-            if self.process.is_alive() and self.conn.poll(60):
-                self.conn.recv()
-            self.stop_event.clear()
+            self.conn.send((verb, rid, args, stoppable))
+        except (OSError, ValueError) as err:  # a broken pipe, or closed here
+            raise _ChildEnded(self._ended(verb)) from err
+        self.pending[rid] = verb
+        return rid
+
+    def answered(self, rid: int) -> bool:
+        """Whether the answer of ``rid`` is in (reads what the child sent so far, without waiting)."""
+        while rid in self.pending and self.conn.poll(0):
+            self._receive(self.pending[rid])
+        return rid not in self.pending
+
+    def result(self, rid: int, stoppable: bool = False) -> tuple:
+        """``(value, seconds)`` of request ``rid``, waiting for it. ``stoppable``: a stop signal while it waits
+        (:func:`rloo_lightning.runtime.sigterm.check`) tells the child to end every row at its current token; a
+        stop raised here still reads this request's answer (what comes before it is kept), so the next wait
+        starts in step."""
+        if rid not in self.pending and rid not in self.answers:
+            raise ValueError(f"VLLMEngine: request {rid} is not pending (collected already, or sent to an engine "
+                             "since closed)")
+        verb = self.pending.get(rid, "generate")
+        try:
+            self._wait(rid, stoppable)
+        except BaseException as err:
+            if stoppable:
+                self._settle(rid, err)
             raise
-        status, value = self.conn.recv()
-        self.stop_event.clear()
+        finally:
+            if stoppable:
+                self.stop_event.clear()
+        status, value, seconds = self.answers.pop(rid)
         if status == "refused":
             raise ValueError(value)
         if status == "error":
             raise RuntimeError(f"the vLLM engine failed during {verb!r}:\n{value}")
-        return value
+        return value, seconds
+
+    def drain(self) -> None:
+        """Wait for the answer of every pending request (kept for :meth:`result`)."""
+        for rid in list(self.pending):
+            self._wait(rid, stoppable=False)
+
+    def _wait(self, rid: int, stoppable: bool) -> None:
+        """Read the child's messages until ``rid`` is answered. Raises :class:`_ChildEnded` when the child ends,
+        :class:`_ChildStalled` when it sends nothing for ``stall_timeout`` seconds (``build``, or before the child's
+        first message: when it has not answered within ``startup_timeout``)."""
+        verb = self.pending.get(rid)
+        start = last = time.monotonic()
+        while rid in self.pending:
+            if self.conn.poll(_POLL_SECONDS):
+                self._receive(verb)
+                last = time.monotonic()
+            elif not self.process.is_alive():
+                raise _ChildEnded(self._ended(verb))
+            now = time.monotonic()
+            if verb == "build" or not self.heard:  # building, or still importing (it has sent nothing yet)
+                if now - start > self.timeout:
+                    raise _ChildStalled(f"the vLLM engine did not start within {self.timeout:.0f} s "
+                                        "(VLLMEngine startup_timeout)")
+            elif now - last > self.stall_timeout:
+                raise _ChildStalled(
+                    f"the vLLM engine (pid {self.process.pid}) sent nothing for {self.stall_timeout:g} s during "
+                    f"{verb!r} (VLLMEngine stall_timeout): it is stuck, or a single step of its engine takes "
+                    "longer than that (raise stall_timeout then)")
+            if stoppable and sigterm.check("generation"):
+                self.stop_event.set()
+
+    def _receive(self, verb: str) -> None:
+        """Read one message: an answer is kept (or dropped, for a request given up on); a heartbeat only shows the
+        child is alive."""
+        try:
+            message = self.conn.recv()
+        except (EOFError, OSError) as err:  # the child's end closed: it ended
+            self.process.join(2)
+            raise _ChildEnded(self._ended(verb)) from err
+        self.heard = True
+        if message[0] != "answer":
+            return
+        _, rid, status, value, seconds = message
+        self.pending.pop(rid, None)
+        if rid in self.dropped:
+            self.dropped.discard(rid)
+        else:
+            self.answers[rid] = (status, value, seconds)
+
+    def _settle(self, rid: int, err: BaseException) -> None:
+        """After a stop raised while waiting for the stoppable ``rid``: cut it short and read its answer, so that no
+        answer of it is left for a later wait; when that cannot be (the child ended or is stuck, or another
+        exception comes), its answer is dropped whenever it comes."""
+        self.stop_event.set()
+        try:
+            if not isinstance(err, (_ChildEnded, _ChildStalled)) and self.process.is_alive():
+                self._wait(rid, stoppable=False)
+        except BaseException:  # a second stop while settling: the first one is what the caller raises
+            pass
+        if rid in self.pending:
+            self.dropped.add(rid)
+        self.answers.pop(rid, None)
+
+    def _ended(self, verb: str | None) -> str:
+        return (f"the vLLM engine's process (pid {self.process.pid}) ended (exit code {self.process.exitcode}) "
+                f"during {verb!r}")
 
     def close(self) -> None:
+        """Stop the child: ``close`` and a wait of up to 10 s, then a kill. With requests pending it is killed at
+        once (it would finish them first, and nobody will read their answers)."""
         atexit.unregister(self.close)
         if self.process.is_alive():
-            with contextlib.suppress(OSError, BrokenPipeError):
-                self.conn.send(("close", ()))
-            self.process.join(10)
+            with contextlib.suppress(OSError, BrokenPipeError, ValueError):
+                self.conn.send(("close", None, (), False))
+            self.process.join(0 if self.pending else 10)
             if self.process.is_alive():
                 self.process.kill()
+                self.process.join(10)
         self.conn.close()
 
 

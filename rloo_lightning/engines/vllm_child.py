@@ -1,15 +1,21 @@
 """The child process of :class:`~rloo_lightning.engines.vllm.VLLMEngine`: everything that runs in it.
 
 :func:`_serve` is the target the trainer spawns (``spawn`` imports it by this module's path in the child): it builds
-vLLM's engine, then answers ``push`` / ``generate`` / ``stats`` requests on its pipe until ``close``;
-:func:`_generate` steps the engine so that a stop signal can end every row at once; :class:`_HarmlessVLLMRecords`
-drops two vLLM warnings that read like failures. vLLM is imported only inside these functions, in the child: the
-trainer's process never imports it.
+vLLM's engine, then answers ``build`` / ``push`` / ``generate`` / ``stats`` requests until ``close``, one at a time
+in the order they came (a thread reads the pipe meanwhile, so that the trainer's sends never wait for a generation);
+each request carries an id, and its answer that id and the child's own seconds on it. While it works the child sends
+heartbeats (``("beat", id)``: at each request's start and, while it generates, every ``heartbeat_s``), so the
+trainer tells a slow child from a stuck one. :func:`_generate` steps the engine so that a stop signal can end every
+row at once (for the requests sent as stoppable); :class:`_HarmlessVLLMRecords` drops two vLLM warnings that read
+like failures. vLLM is imported only inside these functions, in the child: the trainer's process never imports it.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
+import time
 import traceback
 
 from rloo_lightning.runtime import sigterm
@@ -47,59 +53,127 @@ class _HarmlessVLLMRecords(logging.Filter):
                 logger.addFilter(cls())
 
 
-def _serve(conn, stop_event) -> None:
-    """The child: build the engine, then answer ``push`` / ``generate`` requests until ``close``."""
+def _read(conn, requests: queue.SimpleQueue) -> None:
+    """The child's reading thread: every request into ``requests`` as it comes, None when the pipe closes. The
+    trainer's ``send`` thus never blocks on a child busy generating (and two large messages, a request and an
+    answer, can never wait on each other)."""
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            requests.put(None)
+            return
+        requests.put(message)
+        if message[0] == "close":
+            return
+
+
+class _TrainerGone(Exception):
+    """The pipe to the trainer broke: nobody is left to answer."""
+
+
+class _Heartbeat:
+    """Sends ``("beat", request id)`` when called, at most every ``every`` seconds (``force``: now);
+    :class:`_TrainerGone` when the trainer's end of the pipe is closed."""
+
+    def __init__(self, conn, rid: int, every: float) -> None:
+        self.conn, self.rid, self.every, self.last = conn, rid, every, float("-inf")
+
+    def __call__(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self.last >= self.every:
+            try:
+                self.conn.send(("beat", self.rid))
+            except (BrokenPipeError, ConnectionResetError) as err:
+                raise _TrainerGone from err
+            self.last = now
+
+
+def _serve(conn, stop_event, heartbeat_s: float = 2.0) -> None:
+    """The child: answer ``(verb, id, args, stoppable)`` requests in order until ``close`` (or the pipe closes).
+
+    Answers are ``("answer", id, status, value, seconds)``: status ``ok``, ``refused`` (value: the reason) or
+    ``error`` (value: the traceback); seconds: this process's time on the request, from its start to its answer.
+    ``stop_event`` cuts a ``generate`` short only when the request is ``stoppable`` (a synchronous generate; a
+    submitted one is sampled in full, its rollout goes into a checkpoint)."""
     import signal
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the trainer decides when to stop, and stops this process
     sigterm.ignore_sigint()
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_read, args=(conn, requests), daemon=True, name="rloo-vllm-requests").start()
     llm, buffers = None, None
     while True:
-        try:
-            verb, args = conn.recv()
-        except EOFError:
+        message = requests.get()
+        if message is None or message[0] == "close":
             return
-        if verb == "close":
-            return
+        verb, rid, args, stoppable = message
+        start = time.perf_counter()
+        beat = _Heartbeat(conn, rid, heartbeat_s)
         try:
+            beat(force=True)
+            status, value = "ok", None
             if verb == "build":
                 from vllm import LLM, ModelRegistry
 
                 _HarmlessVLLMRecords.install()
                 supported = set(ModelRegistry.get_supported_archs())
-                if not any(a in supported for a in args[1]):
-                    conn.send(("refused", f"VLLMEngine: vLLM does not support the policy's architecture {args[1]}; "
-                                          "use the default engine (generation_engine: null)"))
-                    continue
-                llm = LLM(**args[0])
-                value = None
+                if any(a in supported for a in args[1]):
+                    llm = LLM(**args[0])
+                else:
+                    status, value = "refused", (f"VLLMEngine: vLLM does not support the policy's architecture "
+                                                f"{args[1]}; use the default engine (generation_engine: null)")
             elif verb == "push":
                 if args[0] is not None:
                     buffers = args[0]
-                if getattr(llm, "_rloo_asleep", False):
-                    llm.wake_up()
-                    llm._rloo_asleep = False
-                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(buffers)})
-                llm.reset_prefix_cache()  # no KV block computed with the old weights is reused
-                value = None
+                _wake(llm, None)
+                _load(llm, buffers)
             elif verb == "stats":
                 import resource
 
                 value = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
             elif verb == "generate":
-                value = _generate(llm, *args[:3], stop_event)
-                if args[3]:
+                # Asleep after an earlier request (sleep_level): a generate sent with no push between (a
+                # validation batch, or one queued behind a submitted request) wakes the engine itself.
+                _wake(llm, buffers)
+                value = _generate(llm, *args[:3], stop_event if stoppable else None, beat)
+                if args[3] and requests.empty():  # another request waiting would only wake it again
                     llm.sleep(level=args[3])
-                    llm._rloo_asleep = True
+                    llm._rloo_asleep = args[3]
             else:
                 raise ValueError(f"unknown request {verb!r}")
-            conn.send(("ok", value))
+        except _TrainerGone:
+            return
         except Exception:
-            conn.send(("error", traceback.format_exc()))
+            status, value = "error", traceback.format_exc()
+        try:
+            conn.send(("answer", rid, status, value, time.perf_counter() - start))
+        except (BrokenPipeError, ConnectionResetError):
+            return
 
 
-def _generate(llm, prompts: list[list[int]], params: dict, seeds: list[int], stop_event) -> list:
-    """``[(token ids, log-probs)]`` per prompt, stepping the engine so that a stop can end every row at once."""
+def _load(llm, buffers) -> None:
+    """Load the weights in the shared buffers and forget every cached prompt block (they hold the old weights')."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(buffers)})
+    llm.reset_prefix_cache()
+
+
+def _wake(llm, buffers) -> None:
+    """Wake an engine put to sleep after a generate. At level 2 its weights were dropped: ``buffers`` (the last
+    push, which every request since was sent to sample with: the trainer writes them only when no request is
+    pending) are loaded again; None: the caller loads them itself."""
+    level = getattr(llm, "_rloo_asleep", 0)
+    if not level:
+        return
+    llm.wake_up()
+    llm._rloo_asleep = 0
+    if level == 2 and buffers is not None:
+        _load(llm, buffers)
+
+
+def _generate(llm, prompts: list[list[int]], params: dict, seeds: list[int], stop_event, beat=None) -> list:
+    """``[(token ids, log-probs)]`` per prompt, stepping the engine so that ``stop_event`` (None: no stop) can end
+    every row at once, and ``beat`` (the heartbeat) is called between steps."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
@@ -108,11 +182,13 @@ def _generate(llm, prompts: list[list[int]], params: dict, seeds: list[int], sto
         engine.add_request(rid, {"prompt_token_ids": prompt}, SamplingParams(**params, seed=seed))
     latest: dict[str, object] = {}
     while engine.has_unfinished_requests():
-        if stop_event.is_set():
+        if stop_event is not None and stop_event.is_set():
             engine.abort_request([r for r in ids if r not in latest or not latest[r].finished])
             break
         for out in engine.step():
             latest[out.request_id] = out
+        if beat is not None:
+            beat()
     samples = []
     for rid in ids:
         out = latest.get(rid)
