@@ -22,7 +22,8 @@ from rloo_lightning.callbacks.predict import PredictionWriter
 from rloo_lightning.callbacks.runtime import ProcessRuntime
 from rloo_lightning.config import (
     AdvantageArgs, CorrectionArgs, DynamicSamplingArgs, EnvironmentArgs, KLArgs, PolicyArgs, PredictArgs, RewardArgs,
-    RolloutArgs, RunArgs, SamplingArgs, ShapingArgs, UpdateArgs, ValidationArgs, GROUPS, Options, as_group, to_primitives,
+    RolloutArgs, RunArgs, SamplingArgs, ShapingArgs, UpdateArgs, ValidationArgs, GROUPS, Options, as_group,
+    to_primitives,
 )
 from rloo_lightning.dynamic_sampling import fill_informative
 from rloo_lightning.engines import GenerationEngine, build_engine, engine_spec
@@ -109,8 +110,8 @@ class RLOOModule(PolicyModule):
     ) -> None:
         super().__init__()
         given = dict(rewards=rewards, sampling=sampling, shaping=shaping, kl=kl, advantage=advantage, update=update,
-                     correction=correction, rollout=rollout, dynamic_sampling=dynamic_sampling, validation=validation, policy=policy,
-                     predict=predict, environment=environment, run=run)
+                     correction=correction, rollout=rollout, dynamic_sampling=dynamic_sampling,
+                     validation=validation, policy=policy, predict=predict, environment=environment, run=run)
         cfg = {name: as_group(GROUPS[name], value) for name, value in given.items()}
         if isinstance(generation_engine, dict):  # load_from_checkpoint: the engine as the checkpoint names it
             generation_engine = build_engine(generation_engine)
@@ -534,8 +535,8 @@ class RLOOModule(PolicyModule):
         if saved_lag != lag and checkpoint.get("global_step", 0) > 0:
             raise ValueError(f"rollout.max_staleness={lag}, but this checkpoint was trained with {saved_lag}: a resume "
                              "keeps the lag (the next steps would otherwise sample from other weights than the "
-                             f"interrupted run's). Resume with --model.rollout.max_staleness {saved_lag}, or export the "
-                             "weights and start a new fit from them")
+                             f"interrupted run's). Resume with --model.rollout.max_staleness {saved_lag}, or export "
+                             "the weights and start a new fit from them")
         if stored is None:
             return None
         if len(stored["ranks"]) != self.world_size:

@@ -15,7 +15,8 @@ from rloo_lightning.engines import GenerationEngine, HFGenerateEngine
 from rloo_lightning.algo.logprobs import completion_mask
 
 __all__ = ["Rollout", "Episodes", "eos_list", "concat_groups", "sampling_config", "default_eos_ids", "derive_seed",
-           "generate_rollout", "rollout_from_ids", "stop_string_ends", "generation_configs", "normal_tensor", "GenerationContext",
+           "generate_rollout", "rollout_from_ids", "stop_string_ends", "generation_configs", "normal_tensor",
+           "GenerationContext",
            "Sampler", "CompletionSampler"]
 
 

@@ -16,4 +16,5 @@ from rloo_lightning.engines.hf_generate import HFGenerateEngine, generates_synce
 from rloo_lightning.engines.reduced_precision import ReducedPrecisionEngine, cpu_supports_bf16
 
 __all__ = ["DecodeLoopEngine", "GenerationEngine", "HFGenerateEngine", "ReducedPrecisionEngine", "Submitted",
-           "build_engine", "cpu_supports_bf16", "engine_class", "engine_spec", "generates_synced", "prompt_groups", "shared_prefill"]
+           "build_engine", "cpu_supports_bf16", "engine_class", "engine_spec", "generates_synced", "prompt_groups",
+           "shared_prefill"]
