@@ -130,6 +130,13 @@ def test_exactness(tmp_path):
     assert {"max_abs_z", "scale", "unbiased"} <= set(record["results"][0])
 
 
+def test_async_exactness(tmp_path):
+    load_script("experiments/async_exactness/measure.py").main(
+        ["--draws", "3", "--scales", "0.5", "--corrections", "none", "--out", str(tmp_path / "a.json")])
+    record = json.loads((tmp_path / "a.json").read_text())
+    assert "none" in json.dumps(record) and "relative_bias" in json.dumps(record)
+
+
 def test_sampler_correction(tmp_path, monkeypatch):
     relative = "experiments/sampler_correction/sampler_mismatch.py"
     _run(relative, ["speed", "--model", "tiny", "--reps", "1", "--engines", "fp32-plain", "fp32", "tempered1.5",
