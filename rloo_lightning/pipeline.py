@@ -114,8 +114,7 @@ class RolloutPipeline:
         entries = []
         for p in positions:
             batch, started = self._submit(p, version)
-            entry = Ahead(position=p, version=version, rows=batch["row_index"].detach().cpu(),
-                          prompt_ids=batch["input_ids"].detach().cpu())
+            entry = Ahead(position=p, version=version, rows=_rows(batch), prompt_ids=batch["input_ids"].detach().cpu())
             if isinstance(started, Rollout):
                 entry.rollout = started
                 entry.seconds = time.perf_counter() - start if len(positions) == 1 else None
@@ -142,7 +141,7 @@ class RolloutPipeline:
     def _check_batch(entry: Ahead, batch: dict) -> None:
         """The loader's batch must be the one sampled ahead (a data module whose ``train_batch`` does not follow
         its loader would otherwise train rollouts on other prompts' rewards)."""
-        rows, ids = batch["row_index"].detach().cpu(), batch["input_ids"].detach().cpu()
+        rows, ids = _rows(batch), batch["input_ids"].detach().cpu()
         if not (torch.equal(rows, entry.rows) and ids.shape == entry.prompt_ids.shape
                 and torch.equal(ids, entry.prompt_ids)):
             raise RuntimeError(
@@ -176,3 +175,9 @@ class RolloutPipeline:
                       for e in state["ahead"]}
         self.version_in_use = state.get("version_in_use")
         self._round = None
+
+
+def _rows(batch: dict) -> Tensor:
+    """``[N]`` the batch's ``row_index`` (-1 each for a batch without one: its prompt ids are compared alone)."""
+    rows = batch.get("row_index")
+    return torch.full((batch["input_ids"].shape[0],), -1, dtype=torch.long) if rows is None else rows.detach().cpu()
