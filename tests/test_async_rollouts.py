@@ -238,3 +238,12 @@ def test_dynamic_sampling_and_validation_run_with_a_lag(tiny_model_dir, tmp_path
     trainer.fit(module, datamodule=data)
     assert [metrics.seen[g]["train/staleness"] for g in range(3)] == [0, 1, 1]
     assert "val/reward" in trainer.callback_metrics
+
+
+def test_an_engine_without_log_probs_is_refused_with_a_lag_unless_the_correction_is_off(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"correction.level='token' needs an engine that reports its log-probs"):
+        _fit(tiny_model_dir, tmp_path / "a", 1, 1, engine=DecodeLoopEngine())
+    metrics = Metrics()  # explicitly uncorrected: it trains, stale, with a warning at the start
+    _fit(tiny_model_dir, tmp_path / "b", 2, 1, engine=DecodeLoopEngine(), callbacks=[metrics],
+         correction={"level": "none"})
+    assert [metrics.seen[g]["train/staleness"] for g in range(2)] == [0, 1]
