@@ -481,8 +481,8 @@ class RLOOModule(PolicyModule):
         entries = {"rloo_skipped_steps": self.guard.skipped_steps}
         if self.advantage_estimator.moving_average is not None:
             entries["rloo_moving_average"] = self.advantage_estimator.state_dict()
-        if (stored := self.reuse.state_dict()) is not None:
-            entries["rloo_rollout"] = stored  # between two updates on one rollout: the resumed run goes on
+        if (stored := self.reuse.state_dict()) is not None:  # between two updates on one rollout: the resumed run
+            entries["rloo_rollout"] = {"ranks": self._every_rank(stored)}  # goes on, each rank with its own
         if self.ref is not None and (state := self.ref.state_dict()) is not None:
             entries["rloo_reference"] = state  # kl.ref_sync_steps: it moves, keep it
         if self.pipeline is not None:  # the K rollouts ahead, finished first; each rank's own (its own prompts)
@@ -510,7 +510,9 @@ class RLOOModule(PolicyModule):
         self.guard.skipped_steps = checkpoint.get("rloo_skipped_steps", 0)
         self.advantage_estimator.load_state_dict(checkpoint.get("rloo_moving_average", {}))
         if "rloo_rollout" in checkpoint:
-            self.reuse.load_state_dict(checkpoint["rloo_rollout"])
+            stored = checkpoint["rloo_rollout"]  # earlier checkpoints: rank 0's alone
+            ranks = stored.get("ranks", [stored])
+            self.reuse.load_state_dict(ranks[self.global_rank] if len(ranks) == self.world_size else ranks[0])
         if "rloo_reference" in checkpoint and self.ref is not None:
             self.ref.load_state_dict(checkpoint["rloo_reference"])
         self._pipeline_state = self._check_resumed_lag(checkpoint)
