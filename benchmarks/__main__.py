@@ -14,6 +14,8 @@ import sys
 # (systems (b) and (c) of ``bench``, run by it in processes of their own), _memory_probe (memory_report's callback)
 BENCHMARKS = {
     "bench": "step time, tokens/s and peak memory against TRL's RLOOTrainer and a bare PyTorch loop",
+    "async_step": "fixed-lag asynchronous rollouts with VLLMEngine: step time per lag K and per trainer:engine thread "
+                  "split",
     "machine_limits": "this machine's memory bandwidth and matmul rates, and the floors they put under each phase",
     "generation_speed": "generation variants one at a time (shared prefill, decode loop, static cache, compile, ...)",
     "update_speed": "the update's forwards: padded, shared prompts, packed",

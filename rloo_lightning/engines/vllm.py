@@ -127,6 +127,10 @@ class VLLMEngine(GenerationEngine):
             child (or a single engine step, or a push, longer than this) is silent that long.
         sampler_temperature: sample at this temperature instead of ``sampling.temperature`` (the log-probs follow
             it): a sampler that differs from pi_theta by a known amount, to test the correction.
+        threads: the child's torch / OpenMP threads (its ``OMP_NUM_THREADS``). Default: the trainer's
+            ``torch.get_num_threads()`` when the child starts. With ``rollout.max_staleness >= 1`` the engine
+            generates while the trainer trains, so on a CPU the two share the cores: give each its part (e.g. 1
+            and 1 on 2 cores; ``python -m benchmarks async_step`` measures the splits).
 
     Sampling comes from the module's own options (``sampling.temperature``, ``top_k``, ``top_p``,
     ``max_new_tokens``, the EOS ids, the per-step seeds). Refused at setup: ``sampling.repetition_penalty``
@@ -153,7 +157,8 @@ class VLLMEngine(GenerationEngine):
                  kv_cache_bytes: int | None = None, gpu_memory_utilization: float = 0.3, sleep_level: int = 0,
                  max_model_len: int | None = None, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
                  enforce_eager: bool = True, startup_timeout: float = 600.0,
-                 sampler_temperature: float | None = None, stall_timeout: float = 600.0) -> None:
+                 sampler_temperature: float | None = None, stall_timeout: float = 600.0,
+                 threads: int | None = None) -> None:
         if dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"VLLMEngine dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
         if kv_cache_bytes is not None and kv_cache_bytes <= 0:
@@ -168,7 +173,10 @@ class VLLMEngine(GenerationEngine):
             raise ValueError(f"VLLMEngine sampler_temperature must be > 0, got {sampler_temperature}")
         if not stall_timeout > 0:
             raise ValueError(f"VLLMEngine stall_timeout must be > 0, got {stall_timeout}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"VLLMEngine threads must be an integer >= 1 (or None: the trainer's), got {threads!r}")
         self.stall_timeout = stall_timeout
+        self.threads = threads
         self.sampler_temperature = sampler_temperature
         self.dtype, self.kv_cache_bytes, self.gpu_memory_utilization = dtype, kv_cache_bytes, gpu_memory_utilization
         self.sleep_level, self.max_model_len, self.max_num_seqs = sleep_level, max_model_len, max_num_seqs
@@ -234,7 +242,8 @@ class VLLMEngine(GenerationEngine):
                           max_model_len=self.max_model_len or getattr(config, "max_position_embeddings", None),
                           gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
                           enable_sleep_mode=self.sleep_level > 0)
-        self._worker = _Worker(device, torch.get_num_threads(), self.startup_timeout, self.stall_timeout)
+        threads = self.threads if self.threads is not None else torch.get_num_threads()
+        self._worker = _Worker(device, threads, self.startup_timeout, self.stall_timeout)
         archs = list(getattr(config, "architectures", None) or [type(base).__name__])
         self._worker.call("build", llm_kwargs, archs)
         from lightning.pytorch.utilities import rank_zero_info

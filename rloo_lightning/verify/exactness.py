@@ -46,6 +46,7 @@ from transformers import GenerationConfig
 from rloo_lightning.data import collate_prompts
 from rloo_lightning.models import build_char_tokenizer
 from rloo_lightning.engines import GenerationEngine
+from rloo_lightning.runtime import framework
 from rloo_lightning.runtime.no_trainer import NoTrainer
 
 __all__ = [
@@ -412,8 +413,8 @@ def stale_step_draws(module, datamodule, theta_0: Tensor, theta_1: Tensor, num_d
     lag = module.cfg.rollout.max_staleness
     if lag < 1:
         raise ValueError(f"stale_step_draws needs a module with rollout.max_staleness >= 1, got {lag}")
-    trainer, saved = StaleRunTrainer(datamodule), module._trainer
-    module._trainer = trainer
+    trainer, saved = StaleRunTrainer(datamodule), framework.module_trainer(module)
+    module.trainer = trainer
     draws = []
     try:
         for _ in range(num_draws):
@@ -434,7 +435,7 @@ def stale_step_draws(module, datamodule, theta_0: Tensor, theta_1: Tensor, num_d
             loss.backward()
             draws.append(-module.policy.table.grad.reshape(-1).double())
     finally:
-        module._trainer, module.pipeline = saved, None
+        module.trainer, module.pipeline = saved, None
     return torch.stack(draws)
 
 
