@@ -52,9 +52,10 @@ def error_line(exc: BaseException) -> str:
         useful = next((e for e in reversed(chain) if str(e).strip()), exc)
     message = str(useful).strip()  # a message written on several lines keeps them
     name = type(useful).__name__
-    # The package's own subclasses of those (a vLLM child that ended, ...) read as plainly: their message names it.
-    ours = type(useful).__module__.startswith("rloo_lightning.") and isinstance(useful, _PLAIN_ERRORS)
-    if (type(useful) in _PLAIN_ERRORS or ours) and message:
+    # A private subclass of those (the vLLM child that ended or stalled) reads as plainly: its name means nothing to a
+    # user, its message names what failed.
+    private = name.startswith("_") and isinstance(useful, _PLAIN_ERRORS)
+    if (type(useful) in _PLAIN_ERRORS or private) and message:
         return f"error: {message}"
     return f"error: {name}: {message}" if message else f"error: {name}"
 
