@@ -62,13 +62,12 @@ def test_sigterm_while_a_step_samples_ahead_keeps_the_step_before_and_resumes_ex
     _assert_same_checkpoint(_last(c, 1), _last(a))
 
 
-@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "updates-per-rollout-2"])
-def test_two_ddp_ranks_with_a_lag_resume_bit_identically(tmp_path, tiny_model_dir, _cache_dir, reuse):
-    """Resumed at step 3: each rank's own rollouts ahead (and, with updates_per_rollout 2, its own rollout between
-    two updates) come back from the checkpoint."""
+def test_two_ddp_ranks_with_a_lag_resume_bit_identically(tmp_path, tiny_model_dir, _cache_dir):
+    """Resumed at step 3: each rank's own rollouts ahead and, with updates_per_rollout 2, its own rollout between two
+    updates come back from the checkpoint (either taken from rank 0 alone fails this test)."""
     env = make_env(_cache_dir)
-    ddp = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
-    ddp += ["--model.update.updates_per_rollout", "2", "--model.update.clip_mode", "token"] if reuse else []
+    ddp = ["--trainer.devices", "2", "--trainer.strategy", "ddp",
+           "--model.update.updates_per_rollout", "2", "--model.update.clip_mode", "token"]
     a, b = tmp_path / "a", tmp_path / "b"
     procs = [start_cli("a", _args(a, tiny_model_dir, 4, *ddp), a, env),
              start_cli("b", _args(b, tiny_model_dir, 3, *ddp), b, env)]
@@ -80,7 +79,7 @@ def test_two_ddp_ranks_with_a_lag_resume_bit_identically(tmp_path, tiny_model_di
     b2.check()
     _assert_same_checkpoint(_last(b, 1), _last(a))
     staleness = read_scalars(a / "lightning_logs" / "version_0")["train/staleness"]
-    assert [staleness[g] for g in range(4)] == ([0, 1, 1, 2] if reuse else [0, 1, 1, 1])
+    assert [staleness[g] for g in range(4)] == [0, 1, 1, 2]
 
 
 def test_fsdp2_and_multiturn_episodes_train_with_a_lag(tmp_path, tiny_model_dir, _cache_dir):
