@@ -275,9 +275,7 @@ class RLOOModule(PolicyModule):
         # of an episode), so that ranks stopping at different lengths issue no collectives (no deadlock).
         config = self.greedy_config if greedy else self.generation_config
         with self.timer("generation"), sharding.gathered_for_generation(self.policy, self._strategy):
-            using = GenerationContext(self.policy, self.tokenizer, self.engine, self._grad_free(),
-                                      self.reduce_across_ranks)
-            rollout = self.sampler.sample(using, batch, k, config, seed)
+            rollout = self.sampler.sample(self._using(), batch, k, config, seed)
         if in_step:
             sigterm.end_step(framework.module_trainer(self), "after generation")
         return rollout
@@ -295,6 +293,10 @@ class RLOOModule(PolicyModule):
         sigterm.end_step(framework.module_trainer(self), "after generation")
         return rollout
 
+    def _on_device(self, batch: dict) -> dict:
+        """A batch drawn outside the loader (dynamic sampling's rounds, the rollouts ahead) with its tensors here."""
+        return {key: v.to(self.device) if isinstance(v, Tensor) else v for key, v in batch.items()}
+
     def _using(self) -> GenerationContext:
         return GenerationContext(self.policy, self.tokenizer, self.engine, self._grad_free(), self.reduce_across_ranks)
 
@@ -302,8 +304,7 @@ class RLOOModule(PolicyModule):
         """The batch at loader ``position`` and its rollout started from the current weights (a handle), or sampled
         whole now by a sampler that cannot overlap (multi-turn episodes). Seeded as the step that trains on it
         would seed it, so that only the weights differ from a run with K = 0."""
-        batch = self.run_by.datamodule.train_batch(position)
-        batch = {key: v.to(self.device) if isinstance(v, Tensor) else v for key, v in batch.items()}
+        batch = self._on_device(self.run_by.datamodule.train_batch(position))
         seed = self.sampling_seed("train", position // self.run_by.accumulate_grad_batches)
         using, k = self._using(), self.cfg.sampling.k
         if hasattr(self.sampler, "submit"):
@@ -434,7 +435,7 @@ class RLOOModule(PolicyModule):
         def draw(round_: int) -> Rollout:
             extra = datamodule.sample_batch(num_groups, derive_seed(self.cfg.sampling.seed, self.global_rank,
                                                                     "dynamic", step, round_))
-            extra = {key: v.to(self.device) if isinstance(v, Tensor) else v for key, v in extra.items()}
+            extra = self._on_device(extra)
             candidate = self.sample(extra, self.cfg.sampling.k, self.sampling_seed(f"dynamic{round_}", step),
                                     in_step=True)
             candidate.scores, candidate.rewards = self.score(candidate)

@@ -122,3 +122,12 @@ def builds(monkeypatch):
 
     monkeypatch.setattr(PromptCache, "build", counting)
     return built
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one thread for a module of tiny-tensor tests: as fast, and it does not fight other jobs for cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -17,9 +17,9 @@ from transformers import GenerationConfig
 
 from rloo_lightning.config import CorrectionArgs
 from rloo_lightning.engines.decode import DecodeLoopEngine
-from rloo_lightning.models.tiny import build_char_tokenizer, build_tiny_llama
+from rloo_lightning.models.tiny import build_tiny_llama
 from rloo_lightning.engines.vllm import VLLMEngine, vllm_available
-from vllm_helpers import vllm_test
+from vllm_helpers import tiny_head32_llama, vllm_test
 
 
 TEMPERATURE = 0.7
@@ -78,9 +78,7 @@ def _config(**kw) -> GenerationConfig:
 
 @pytest.fixture(scope="module")
 def tiny():
-    tok = build_char_tokenizer("abcdefghij0123456789+= ", model_max_length=512)
-    model = build_tiny_llama(tok, hidden_size=128, num_heads=4, max_position_embeddings=512, seed=0).eval()  # head 32
-    return model, tok
+    return tiny_head32_llama()
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from transformers import GenerationConfig
 
 from rloo_lightning.engines.vllm import VLLMEngine, _Worker, vllm_available
-from rloo_lightning.models.tiny import build_char_tokenizer, build_tiny_llama
-from vllm_helpers import vllm_test
+from vllm_helpers import tiny_head32_llama, vllm_test
 
 TEXTS = ["1+2=", "33+4=", "abc", "j=", "999+1=", "a+b=", "hello", "0"]
 LONG_TOKENS = 150  # about 2 s of the tiny model's generation for 16 rows on 2 cores: long enough to overlap
@@ -89,9 +88,7 @@ def _config(**kw) -> GenerationConfig:
 
 @pytest.fixture(scope="module")
 def tiny():
-    tok = build_char_tokenizer("abcdefghij0123456789+= ", model_max_length=512)
-    model = build_tiny_llama(tok, hidden_size=128, num_heads=4, max_position_embeddings=512, seed=0).eval()  # head 32
-    return model, tok
+    return tiny_head32_llama()
 
 
 @pytest.fixture(scope="module")

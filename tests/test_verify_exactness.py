@@ -47,12 +47,8 @@ DRAWS = 300  # x 3 prompts x 16 repeats x k = 4: 57,600 sampled completions per 
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The tensors are tiny: one thread is as fast and does not fight other jobs for cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """The tensors are tiny (conftest's ``one_thread``)."""
 
 
 @pytest.fixture(scope="module")

@@ -39,12 +39,8 @@ SCALE = 0.5  # theta_1 = theta_0 + 0.5 N(0, 1): per-token KL(pi_s || pi_theta) a
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The tensors are tiny: one thread is as fast and does not fight other jobs for cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """The tensors are tiny (conftest's ``one_thread``)."""
 
 
 @pytest.fixture(scope="module")

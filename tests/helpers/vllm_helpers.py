@@ -14,3 +14,12 @@ needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not instal
 def vllm_test(fn):
     """Marked ``vllm`` and ``slow``, skipped with the reason where vLLM is absent."""
     return pytest.mark.vllm(pytest.mark.slow(needs_vllm(fn)))
+
+
+def tiny_head32_llama():
+    """``(model, tokenizer)``: a tiny Llama with 4 heads of 32 (vLLM's CPU attention has no head size 16) and a
+    character tokenizer, in eval mode."""
+    from rloo_lightning.models.tiny import build_char_tokenizer, build_tiny_llama
+
+    tok = build_char_tokenizer("abcdefghij0123456789+= ", model_max_length=512)
+    return build_tiny_llama(tok, hidden_size=128, num_heads=4, max_position_embeddings=512, seed=0).eval(), tok
