@@ -313,9 +313,9 @@ def _run_reporting_errors(args: list[str] | None) -> None:
 
 
 def _subcommand_of(argv: list[str]) -> str | None:
-    """The subcommand named in ``argv`` (``fit``, ``test``, ..., ``export``), wherever it stands: a top-level
+    """The subcommand named in ``argv`` (``fit``, ``test``, ..., ``export``, ``serve``), wherever it stands: a top-level
     ``--config file.yaml`` may come before it."""
-    return next((a for a in argv if a in (*LightningCLI.subcommands(), "export")), None)
+    return next((a for a in argv if a in (*LightningCLI.subcommands(), "export", "serve")), None)
 
 
 def _subcommand(args: list[str] | None) -> str:
@@ -328,6 +328,11 @@ def _run(args: list[str] | None) -> None:
     subcommand = _subcommand_of(argv)
     if subcommand == "export":  # not a Trainer method, so not a LightningCLI subcommand
         export_main(argv[argv.index("export") + 1:])
+        return
+    if subcommand == "serve":  # a vLLM server for VLLMServerEngine: this process becomes it
+        from rloo_lightning.serve import main as serve_main
+
+        serve_main(argv[argv.index("serve") + 1:])
         return
     # A run from a checkpoint has a folder of its own. Lightning's note that the checkpoint callback's folder
     # changed (so its list of best checkpoints starts again there) is left out: test / predict / validate save

@@ -311,7 +311,7 @@ class VLLMEngine(GenerationEngine):
         params = _sampling_params(generation_config)
         if self.sampler_temperature is not None and params["temperature"] > 0:
             params["temperature"] = self.sampler_temperature
-        seeds = [(seed + 0x9E3779B97F4A7C15 * (i + 1)) % 2**63 for i in range(len(prompts))]
+        seeds = row_seeds(seed, len(prompts))
         rid = self._worker.send("generate", prompts, params, seeds, self.sleep_level, stoppable=stoppable)
         pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else 0
         return Submitted(key=(rid, pad, prompt_ids.device, stoppable))
@@ -324,6 +324,11 @@ class VLLMEngine(GenerationEngine):
         state = dict(self.__dict__)
         state.update(_worker=None, _buffers=None, stale=True, _config_dir=None)
         return state
+
+
+def row_seeds(seed: int, rows: int) -> list[int]:
+    """Each row's own sampling seed, from the step's ``seed`` (the same on every run and every engine of vLLM)."""
+    return [(seed + 0x9E3779B97F4A7C15 * (i + 1)) % 2**63 for i in range(rows)]
 
 
 def _padded(samples: list, pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
