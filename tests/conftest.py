@@ -131,3 +131,29 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def server_model_dir(tmp_path_factory):
+    """The reverse task's tiny model with 2 heads of 32 (vLLM's CPU attention has no head size 16) and 512 positions
+    (long prompts), for the vLLM server tests."""
+    from rloo_lightning.tasks import reverse
+
+    directory = tmp_path_factory.mktemp("server_model")
+    reverse.build_tiny_model(directory, num_heads=2, max_position_embeddings=512)
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(server_model_dir, tmp_path_factory):
+    """One vLLM server on localhost (``rloo-lightning serve``), shared by the server engine's tests; killed at the
+    session's end."""
+    from rloo_lightning.engines.vllm import vllm_available
+
+    if not vllm_available():
+        pytest.skip("vLLM is not installed")
+    from vllm_server_helpers import start_server
+
+    server = start_server(server_model_dir, tmp_path_factory.mktemp("vllm_server"))
+    yield server
+    server.kill()

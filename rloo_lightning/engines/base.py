@@ -107,6 +107,11 @@ class GenerationEngine:
         on it (the step's ``train/engine_idle_s`` is computed from it)."""
         return handle.value
 
+    def metrics(self) -> dict[str, float]:
+        """The engine's own figures since the last call (``train/<name>``: value), logged with the step's metrics as
+        the mean over ranks. None by default; a server engine's weight syncs, for one."""
+        return {}
+
     #: The ``correction.level`` that ``level: auto`` means with this engine (None: ``none``).
     default_correction: str | None = None
 

@@ -397,6 +397,7 @@ class VLLMServerEngine(GenerationEngine):
                         raise _ServerFailed(f"VLLMServerEngine: {server.url} does not answer ({err})") from None
                     self._await_restart(server)
             if state.split(":", 1)[1] != self._tag:
+                server.model = server.call("/v1/models", timeout=30)["data"][0]["id"]  # a restart may rename it
                 self._load(server, paused=False)
                 state = server.rpc("rloo_state", timeout=self.request_timeout)
             return state

@@ -67,13 +67,14 @@ def best_constant_score(rows: list[dict]) -> tuple[str, float]:
     return best
 
 
-def build_tiny_model(directory: Path, num_heads: int = 4) -> None:
+def build_tiny_model(directory: Path, num_heads: int = 4, max_position_embeddings: int = 32) -> None:
     """Tokenizer + tiny Llama, warm-started on shuffled answers, saved to ``directory``.
 
-    ``num_heads=2`` gives head size 32, which vLLM's CPU attention supports (the task's own model has 16)."""
-    tok = build_char_tokenizer(ALPHABET + SEPARATOR, model_max_length=32)
-    model = build_tiny_llama(tok, hidden_size=64, num_layers=2, num_heads=num_heads, max_position_embeddings=32,
-                             seed=WARM_START_SEED)
+    ``num_heads=2`` gives head size 32, which vLLM's CPU attention supports (the task's own model has 16); a longer
+    ``max_position_embeddings`` takes longer sequences (the task's own need 32)."""
+    tok = build_char_tokenizer(ALPHABET + SEPARATOR, model_max_length=max_position_embeddings)
+    model = build_tiny_llama(tok, hidden_size=64, num_layers=2, num_heads=num_heads,
+                             max_position_embeddings=max_position_embeddings, seed=WARM_START_SEED)
     rng = random.Random(WARM_START_SEED)
     ids_of = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
 

