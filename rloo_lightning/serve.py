@@ -49,7 +49,8 @@ def command(args: argparse.Namespace, folder: str) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
             "--host", args.host, "--port", str(args.port), "--dtype", args.dtype, "--load-format", "dummy",
             "--logprobs-mode", "processed_logprobs", "--max-logprobs", "1", "--seed", "0",
-            "--generation-config", "vllm", "--served-model-name", "policy", "--worker-extension-cls", EXTENSION, "--middleware", GUARD, *extra]
+            "--generation-config", "vllm", "--served-model-name", "policy",
+            "--worker-extension-cls", EXTENSION, "--middleware", GUARD, *extra]
 
 
 def write_model_folder(model: str, gguf_file: str | None, folder: str, trust_remote_code: bool = False) -> None:

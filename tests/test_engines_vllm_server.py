@@ -58,8 +58,9 @@ def _train(model, ids, mask, lr: float = 0.05, seed: int = 0) -> None:
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten()).backward()
     with torch.no_grad():
         for p in model.parameters():
-            p -= lr * p.grad
-            p.grad = None
+            if p.grad is not None:  # frozen under LoRA
+                p -= lr * p.grad
+                p.grad = None
 
 
 def _sampled_logprobs(model, ids, mask, completion, eos: int):
@@ -268,3 +269,30 @@ def test_server_engine_options_are_checked():
                             ({"api_key_env": ""}, "api_key_env must name")]:
         with pytest.raises(ValueError, match=message):
             VLLMServerEngine(**kwargs)
+
+
+@vllm_test
+def test_a_lora_policy_syncs_merged_weights_and_an_unmerged_sync_is_caught(vllm_server, server_model_dir,
+                                                                          monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = _policy(server_model_dir)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    config = _config(tok)
+    ids, mask = _prompts(tok, groups=2, length=80)
+    engine = VLLMServerEngine(urls=[vllm_server.url], connect_timeout=60)
+    engine.prepare(model, tok, config)
+    engine.generate(model, tok, ids, mask, config, seed=1)
+    _train(model, ids, mask, lr=0.5)  # the adapters only: their deltas become non-zero
+    engine.on_weights_updated(model)
+    completion, logp = engine.generate(model, tok, ids, mask, config, seed=2)
+    ref, keep = _sampled_logprobs(model, ids, mask, completion, tok.eos_token_id)
+    assert float(((ref - logp[:, : ref.shape[1]]).abs() * keep).max()) < 1e-3
+    _train(model, ids, mask, lr=0.5, seed=1)
+    engine.on_weights_updated(model)
+    import rloo_lightning.engines.vllm as colocated
+
+    monkeypatch.setattr(colocated, "_lora_deltas", lambda m: {})  # the base weights alone: the adapters left out
+    with pytest.raises(RuntimeError, match="canary log-probs up to"):
+        engine.generate(model, tok, ids, mask, config, seed=3)
+    engine.close()

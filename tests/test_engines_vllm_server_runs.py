@@ -5,6 +5,7 @@ under DDP and FSDP2 share one server; the checkpoint exports, tests and predicts
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -101,6 +102,17 @@ def test_the_checkpoint_exports_tests_and_predicts_with_the_server_engine(runs, 
     assert len(predictions) == len(ROWS) and all("completion" in json.loads(line) for line in predictions)
     for command in ("test", "predict"):  # sampled by the rebuilt server engine: it did not give way to the default
         assert "cannot run here" not in procs[command].stderr
+
+
+@vllm_test
+def test_without_its_server_a_checkpoint_tests_with_the_default_engine_at_once(runs, tmp_path):
+    from test_cli_after_fit import after_fit_args
+
+    env = make_env(tmp_path / "cache", VLLM_API_KEY=None)  # the key gone with the server's job
+    tested = run_cli("test", after_fit_args("test", _last(runs["a"]), tmp_path), tmp_path, env).check()
+    assert re.search(r"the checkpoint's generation engine VLLMServerEngine cannot run here \(VLLM_API_KEY \(the "
+                     r"servers' key\) is not set\): test samples with the default engine", tested.stderr)
+    assert "test/reward" in tested.stdout
 
 
 @vllm_test

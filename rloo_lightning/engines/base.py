@@ -127,6 +127,11 @@ class GenerationEngine:
     def check(self, device: torch.device) -> None:
         """Called at setup, before any model is loaded: raise if this engine cannot run on ``device``."""
 
+    def reachable(self) -> None:
+        """Called at setup of validate, test and predict when the engine was rebuilt from the checkpoint: raise at once
+        if what it samples with cannot be reached now (a server), so that the command samples with the default engine
+        instead of waiting. Nothing to reach by default."""
+
 
 def _plain(value) -> bool:
     """Whether ``value`` is made of None, bool, int, float, str, lists and str-keyed dicts (what a checkpoint's

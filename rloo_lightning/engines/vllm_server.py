@@ -276,6 +276,17 @@ class VLLMServerEngine(GenerationEngine):
     def on_weights_updated(self, model) -> None:
         self.stale = True
 
+    def reachable(self) -> None:
+        """The key is set and every server answers ``/health`` within 5 s (a checkpoint's engine, for validate, test
+        and predict: otherwise they give way to the default engine)."""
+        if not os.environ.get(self.api_key_env):
+            raise ValueError(f"{self.api_key_env} (the servers' key) is not set")
+        for url in self.urls:
+            try:
+                _Server(url, "", 5).call("/health", timeout=5)
+            except (_Unreachable, _TimedOut, _Refused) as err:
+                raise ConnectionError(f"no vLLM server answers at {url} ({err})") from None
+
     # -- the sync ----------------------------------------------------------------------------------
     def _sync(self, model) -> None:
         """Publish the policy's weights to every server and verify them (see the module docstring); every rank
