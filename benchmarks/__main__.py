@@ -26,6 +26,7 @@ BENCHMARKS = {
     "cache_check_cost": "what checking a prompt cache entry costs when it is opened",
     "env_calls_cost": "what guarding a multi-turn environment's calls costs (threads, timeouts, workers)",
     "threads_effect": "torch's CPU thread count against the quickstart's speed, idle and beside a busy process",
+    "sync_transport": "moving weights to a generation server on a CPU: a safetensors folder against a gloo broadcast",
     "vllm_compare": "step time, generation time and tokens/s: the default engine, VLLMEngine, TRL's colocated vLLM",
 }
 
