@@ -8,7 +8,8 @@ timed from the sender's tensors to the receiver's:
 
 * ``folder``: the sender writes one safetensors file (``safetensors.torch.save_file``) into a new folder and renames
   it into place (what the engine does); the receiver, another process, opens it and reads every tensor into memory
-  (what the server's worker extension does before vLLM's loader copies them into its own parameters). ``--folder``
+  (what the server's worker extension does before vLLM's loader copies them into its own parameters; each tensor
+  is summed so that every byte is read, not only mapped). ``--folder``
   picks the file system (default: the system's temporary folder; a shared file system across nodes is slower).
 * ``gloo``: a two-process gloo group on localhost (TCP); the sender broadcasts each tensor, the receiver receives
   into tensors it allocated (what a worker extension joining a gloo group would do).
@@ -68,8 +69,12 @@ def _read(path: str, out) -> None:
     from safetensors import safe_open
 
     start = time.perf_counter()
+    total = 0
     with safe_open(path, framework="pt", device="cpu") as f:
-        total = sum(f.get_tensor(k).numel() for k in f.keys())
+        for k in f.keys():
+            t = f.get_tensor(k)
+            total += t.numel()
+            t.sum()  # every byte read (a file opened maps its pages; only a read costs)
     out.put((time.perf_counter() - start, total))
 
 
