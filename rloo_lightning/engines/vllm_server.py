@@ -31,6 +31,7 @@ Every failure ends in one line naming the address, within a bounded time: ``conn
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import http.client
 import json
@@ -323,9 +324,10 @@ class VLLMServerEngine(GenerationEngine):
         from safetensors.torch import save_file
 
         start = time.perf_counter()
-        root = self.sync_dir or self._made_dir or tempfile.mkdtemp(prefix="rloo_sync_")
-        if self.sync_dir is None:
-            self._made_dir = root
+        root = self.sync_dir or self._made_dir
+        if root is None:  # a folder of this process's: removed with it (the servers keep what they loaded)
+            root = self._made_dir = tempfile.mkdtemp(prefix="rloo_sync_")
+            atexit.register(shutil.rmtree, root, True)
         version = self.version + 1
         tag = f"{self._run}:{version}"
         folder = os.path.join(root, f"{self._run}-v{version:06d}")
