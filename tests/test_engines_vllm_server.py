@@ -144,6 +144,15 @@ def test_connect_checks_name_what_differs(vllm_server, monkeypatch):
     with pytest.raises(ValueError, match=rf"the server at {vllm_server.url} does not serve this policy: "
                                          r"vocab_size: server 13, policy \d+; hidden_size: server 64, policy 128"):
         engine.prepare(other, tok, _config(tok))
+    def plain_vllm(server, method, *args, **kwargs):  # `vllm serve` without dev mode: no /collective_rpc
+        raise vs._Refused(404, '{"detail":"Not Found"}')
+
+    with monkeypatch.context() as m:
+        m.setattr(vs._Server, "rpc", plain_vllm)
+        model, tok13 = _policy(vllm_server.model_dir)
+        with pytest.raises(RuntimeError, match=rf"{vllm_server.url} has no weight sync \(HTTP 404.*start it with "
+                                               "`rloo-lightning serve`"):
+            VLLMServerEngine(urls=[vllm_server.url]).prepare(model, tok13, _config(tok13))
     monkeypatch.setenv("VLLM_API_KEY", "wrong")
     with pytest.raises(RuntimeError, match=rf"{vllm_server.url} refused the API key"):
         VLLMServerEngine(urls=[vllm_server.url]).prepare(other, tok, _config(tok))
@@ -259,6 +268,16 @@ def test_a_server_killed_while_generating_is_resynced_after_its_restart(server_m
         engine.close()
     finally:
         server.kill()
+
+
+def test_the_client_does_not_import_vllm():
+    import subprocess
+    import sys
+
+    code = ("import sys, rloo_lightning.engines.vllm_server, rloo_lightning.serve; "
+            "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_server_engine_options_are_checked():

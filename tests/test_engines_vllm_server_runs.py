@@ -124,3 +124,31 @@ def test_two_ranks_share_one_server_under_ddp_and_fsdp2(tmp_path, vllm_server, s
     run_cli(strategy, args, tmp_path, _env(tmp_path)).check()
     scalars = read_scalars(tmp_path / "lightning_logs" / "version_0")
     assert len(scalars["train/weight_sync_mb"]) == 3 and min(scalars["train/weight_sync_mb"].values()) > 0.1
+
+
+@vllm_test
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_a_server_killed_mid_run_ends_every_rank_with_one_line_naming_it(tmp_path, server_model_dir, strategy):
+    """Killed after step 2 and not restarted: rank 0's sync finds it gone, waits reconnect_timeout, and every rank
+    stops with the same line naming the server (the outcome is broadcast), well within the subprocess's limit."""
+    import time
+
+    from vllm_server_helpers import start_server
+
+    server = start_server(server_model_dir, tmp_path, name=f"server_{strategy}")
+    try:
+        extra = ["--trainer.strategy", "ddp", "--trainer.devices", "2"] if strategy == "ddp" else []
+        args = _fit(tmp_path, server_model_dir, server.url, 6, *extra,
+                    "--model.generation_engine.reconnect_timeout", "5", "--model.generation_engine.retries", "1",
+                    "--trainer.callbacks+=vllm_server_helpers.KillServerAt",
+                    f"--trainer.callbacks.pid={server.proc.popen.pid}", "--trainer.callbacks.step=2",
+                    config="fsdp2_cpu.yaml" if strategy == "fsdp2" else "quickstart.yaml")
+        start = time.monotonic()
+        proc = start_cli(strategy, args, tmp_path, _env(tmp_path), timeout=240).wait()
+        assert not proc.timed_out and proc.rc != 0, proc.explain()
+        assert time.monotonic() - start < 200
+        line = rf"VLLMServerEngine: {server.url} stopped answering and did not come back within reconnect_timeout=5 s"
+        assert len(re.findall(line, proc.stderr)) >= 1, proc.explain()
+        assert "Traceback" not in proc.stderr, proc.explain()
+    finally:
+        server.kill()

@@ -226,6 +226,9 @@ class VLLMServerEngine(GenerationEngine):
             raise ValueError(f"VLLMServerEngine: set {self.api_key_env} to the key the server was started with "
                              f"(rloo-lightning serve reads {KEY_ENV})")
         self._servers = [_Server(url, key, self.request_timeout) for url in self.urls]
+        for pool in (self._pool, self._rows_pool):  # a second prepare (another stage) starts afresh
+            if pool is not None:
+                pool.shutdown(wait=False)
         # Two pools: a server's batch waits on its rows, so they never share threads (no deadlock when full).
         self._pool = cf.ThreadPoolExecutor(len(self.urls) * 2, thread_name_prefix="rloo-vllm-server")
         self._rows_pool = cf.ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="rloo-vllm-rows")
@@ -606,13 +609,15 @@ def _folder_counts(folder: str) -> tuple[int, int]:
 
 
 def _canary_logprobs(model, ids: list[int]) -> list[float]:
-    """The policy's log-probs of ``ids[1:]`` given the tokens before each (float32, eval mode)."""
+    """The policy's log-probs of ``ids[1:]`` given the tokens before each (eval mode, the weights' own precision:
+    autocast off, as the server computes in its dtype, not in a mixed-precision trainer's)."""
     device = next(model.parameters()).device
     x = torch.tensor([ids], device=device)
     was_training = model.training
     model.eval()
     try:
-        logits = model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False).logits[0, :-1].float()
+        with torch.autocast(device.type, enabled=False):
+            logits = model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False).logits[0, :-1].float()
     finally:
         model.train(was_training)
     return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].tolist()

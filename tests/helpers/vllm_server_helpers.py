@@ -91,3 +91,24 @@ def start_server(model_dir: str, cwd: Path, port: int | None = None, name: str =
                      server_env(cwd), timeout=3600)
     server = Server(proc, port, model_dir)
     return server.wait_up() if wait else server
+
+
+try:  # the fault tests' callback, imported by path in a CLI run (tests/helpers is on its PYTHONPATH)
+    from lightning.pytorch.callbacks import Callback
+except ImportError:  # pragma: no cover - lightning is a dependency of the package
+    Callback = object
+
+
+class KillServerAt(Callback):
+    """SIGKILL the process group ``pid`` (a server started by :func:`start_server`) at the end of training step
+    ``step``, from rank 0 (the server dies between two steps: the next sync finds it gone)."""
+
+    def __init__(self, pid: int, step: int) -> None:
+        self.pid, self.step = pid, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == 0:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
