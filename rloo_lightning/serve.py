@@ -66,9 +66,11 @@ def _vllm_serve(folder: str) -> list[str]:
 
 
 def write_model_folder(model: str, gguf_file: str | None, folder: str, trust_remote_code: bool = False) -> None:
-    """The policy's config (without a GGUF file's quantization: the trainer sends dequantized weights) and its
-    tokenizer, saved in ``folder``."""
+    """The policy's config (without a GGUF file's quantization: the trainer sends dequantized weights; naming the
+    causal-LM class the trainer loads, which a config read from a GGUF file leaves out) and its tokenizer, saved in
+    ``folder``."""
     from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from rloo_lightning.models.loading import load_tokenizer, resolve_model_path
 
@@ -76,6 +78,8 @@ def write_model_folder(model: str, gguf_file: str | None, folder: str, trust_rem
     config = AutoConfig.from_pretrained(resolve_model_path(model), trust_remote_code=trust_remote_code, **kwargs)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type):  # what AutoModelForCausalLM builds, as the trainer
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     config.save_pretrained(folder)
     load_tokenizer(model, gguf_file=gguf_file, trust_remote_code=trust_remote_code).save_pretrained(folder)
 

@@ -57,6 +57,20 @@ def test_the_folder_holds_the_policys_config_and_tokenizer(tmp_path, tiny_model_
     assert not (tmp_path / "served" / "model.safetensors").exists()  # the weights come from the trainer
 
 
+def test_a_config_without_its_causal_lm_class_names_it(tmp_path, tiny_model_dir):
+    """A config read from a GGUF file names no architecture (transformers then writes LlamaModel): the server would
+    build the base model, and the engine refuse it; the folder names the class AutoModelForCausalLM loads."""
+    import shutil
+
+    policy = tmp_path / "policy"
+    shutil.copytree(tiny_model_dir, policy)
+    config = json.loads((policy / "config.json").read_text())
+    del config["architectures"]
+    (policy / "config.json").write_text(json.dumps(config))
+    serve.write_model_folder(str(policy), None, str(tmp_path / "served"))
+    assert json.loads((tmp_path / "served" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
 def test_the_cli_routes_serve(monkeypatch):
     from rloo_lightning import cli
 
