@@ -211,7 +211,8 @@ class VLLMServerEngine(GenerationEngine):
         self._tag = ""  # the current version's name on the servers
         self._canary: tuple[list[int], list[float]] | None = None  # its ids and the trainer's log-probs
         self._made_dir: str | None = None
-        self._sums = {"sync_s": 0.0, "sync_mb": 0.0, "sync_wait_s": 0.0, "retries": 0.0, "syncs": 0.0}
+        self._sums = {"sync_s": 0.0, "sync_mb": 0.0, "load_s": 0.0, "sync_wait_s": 0.0, "retries": 0.0,
+                      "syncs": 0.0}
 
     # -- checks and connection, before any rollout -----------------------------------------------
     def prepare(self, model, tokenizer, generation_config) -> None:
@@ -300,10 +301,16 @@ class VLLMServerEngine(GenerationEngine):
         world, rank = _world()
         outcome: dict = {}
         with torch.no_grad():
-            weights = {}
+            weights, seen = {}, set()
             for name, tensor in _named_weights(model):  # a gather under FSDP2: every rank walks every weight
                 if rank == 0:
-                    weights[name] = tensor.to("cpu", copy=True).contiguous()
+                    # No copy where the policy already is on the CPU: nothing changes the weights until the file
+                    # is written (the sync runs before the step's rollout, after its optimizer step). A tensor that
+                    # shares another's memory (tied embeddings) is copied: a file holds each once. Each is written:
+                    # vLLM's reload needs lm_head.weight even where it ties it (the canary caught a sync without).
+                    tensor = tensor.to("cpu").contiguous()
+                    weights[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
+                    seen.add(tensor.data_ptr())
             canary_ids = self._canary_ids(model)
             canary = _canary_logprobs(model, canary_ids)  # a forward: every rank
         if rank == 0:
@@ -319,6 +326,7 @@ class VLLMServerEngine(GenerationEngine):
         self.stale = False
         self._sums["sync_s"] += outcome["seconds"]
         self._sums["sync_mb"] += outcome["bytes"] / 2**20
+        self._sums["load_s"] += outcome["load_s"]
         self._sums["sync_wait_s"] += time.perf_counter() - start
         self._sums["syncs"] += 1
 
@@ -341,16 +349,17 @@ class VLLMServerEngine(GenerationEngine):
         os.replace(partial, folder)
         sent = {"tensors": len(weights), "bytes": sum(t.numel() * t.element_size() for t in weights.values())}
         self._folder, self._tag, self._canary = folder, tag, canary
+        load_s = 0.0
         for server in self._servers:
             with server.lock:
-                self._load(server, paused=True)
+                load_s = max(load_s, self._load(server, paused=True))
         for old in os.listdir(root):  # a restarted server loads the current version; nothing older is needed
             if old.startswith(f"{self._run}-v") and os.path.join(root, old) != folder:
                 shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-        return {"folder": folder, "tag": tag, "version": version, "bytes": sent["bytes"],
+        return {"folder": folder, "tag": tag, "version": version, "bytes": sent["bytes"], "load_s": load_s,
                 "seconds": time.perf_counter() - start}
 
-    def _load(self, server: _Server, paused: bool) -> None:
+    def _load(self, server: _Server, paused: bool) -> float:
         """Load the current folder into ``server`` and verify it (caller holds ``server.lock``). ``paused``: behind
         ``/pause`` (it waits for what the server still generates) and ``/resume``; a server just restarted has
         nothing in flight."""
@@ -379,6 +388,7 @@ class VLLMServerEngine(GenerationEngine):
             raise _ServerFailed(f"VLLMServerEngine: {server.url} loaded {loaded!r} of weight version {self._tag}, "
                                 f"not the {sent[0]} tensors ({sent[1]} bytes) written")
         self._verify(server)
+        return float(loaded.get("seconds") or 0.0)
 
     def _verify(self, server: _Server) -> None:
         """The canary: the server's log-probs of a fixed sequence equal the trainer's within the tolerance."""
@@ -548,10 +558,12 @@ class VLLMServerEngine(GenerationEngine):
     # -- figures -----------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         """Since the last call: ``train/weight_sync_s`` (rank 0's write, loads and checks), ``train/weight_sync_mb``,
+        ``train/weight_load_s`` (the slowest server's own load: reading the file into vLLM's parameters),
         ``train/weight_sync_wait_s`` (this rank's wait: gather, canary, the broadcast) and
         ``train/server_retries``."""
         s = self._sums
         values = {"train/weight_sync_s": s["sync_s"], "train/weight_sync_mb": s["sync_mb"],
+                  "train/weight_load_s": s["load_s"],
                   "train/weight_sync_wait_s": s["sync_wait_s"], "train/server_retries": s["retries"]}
         self._sums = dict.fromkeys(s, 0.0)
         return values
