@@ -138,6 +138,22 @@ def test_a_load_that_takes_nothing_is_caught(vllm_server, server_model_dir, monk
 
 
 @vllm_test
+def test_every_path_but_health_needs_the_key(vllm_server):
+    """vLLM's own --api-key guards /v1 only; dev mode's weight and RPC endpoints are behind the key too."""
+    import urllib.error
+    import urllib.request
+
+    assert vllm_server.healthy()  # GET /health without a key
+    for path in ("/collective_rpc", "/pause", "/update_weights", "/v1/completions"):
+        request = urllib.request.Request(vllm_server.url + path, data=b'{"method": "rloo_state"}', method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(request, timeout=10)
+        assert err.value.code == 401, path
+    assert vllm_server.post("/collective_rpc", {"method": "rloo_state"})["results"]  # with the key
+
+
+@vllm_test
 def test_connect_checks_name_what_differs(vllm_server, monkeypatch):
     other, tok = tiny_head32_llama()  # another vocabulary and width
     engine = VLLMServerEngine(urls=[vllm_server.url], connect_timeout=60)
