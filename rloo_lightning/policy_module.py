@@ -64,7 +64,8 @@ class PolicyModule(LightningModule):
 
         An engine rebuilt from the checkpoint (not given for this command) that cannot run here (vLLM not
         installed, an argument only a GPU takes, a server that does not answer) gives way to the default engine for
-        validate, test and predict, with one line saying so; fit (a resume) stops instead: another sampler would change the run.
+        validate, test and predict, with one line saying so; fit (a resume) stops instead: another sampler would
+        change the run.
         """
         try:
             self.engine.check(device)

@@ -27,13 +27,13 @@ import uuid
 
 #: This server process's identity: a restarted server has another, so the trainer knows to load its weights again.
 BOOT = uuid.uuid4().hex[:12]
+#: The version of this worker's last load ("" after a start, or after a load that failed).
+LOADED = {"version": ""}
 
 
 class WeightSync:
     """Mixed into each vLLM worker (``--worker-extension-cls``); ``reload_weights`` and ``vllm_config`` are the
     worker's own."""
-
-    _rloo_version: str = ""
 
     def rloo_load(self, folder: str, version: str) -> dict:
         """Load every ``*.safetensors`` file of ``folder`` (names as in the policy's Hugging Face checkpoint) into
@@ -59,15 +59,15 @@ class WeightSync:
                         counted["bytes"] += tensor.numel() * tensor.element_size()
                         yield key, tensor
 
-        WeightSync._rloo_version = ""  # a load that fails half-way leaves no version the trainer would trust
+        LOADED["version"] = ""  # a load that fails half-way leaves no version the trainer would trust
         self.reload_weights(weights_iterator=weights())
-        WeightSync._rloo_version = version
+        LOADED["version"] = version
         return {"version": version, "boot": BOOT, **counted, "seconds": time.perf_counter() - start}
 
     def rloo_state(self) -> str:
         """``"<boot>:<version>"``: this server process and the version of its last :meth:`rloo_load` ("" after a
         start: the weights it was built with)."""
-        return f"{BOOT}:{WeightSync._rloo_version}"
+        return f"{BOOT}:{LOADED['version']}"
 
     def rloo_describe(self) -> str:
         """JSON of what the trainer checks at connect: the model's architectures, vocabulary size, dtype, hidden size
