@@ -556,7 +556,7 @@ class RLOOModule(PolicyModule):
             sums.update({name: (torch.tensor(value), torch.tensor(1.0))
                          for name, value in self.pipeline.metrics(self.global_step).items()})
         sums.update({name: (torch.tensor(float(value)), torch.tensor(1.0))  # an engine's own: weight syncs, ...
-                     for name, value in self.engine.metrics().items()})
+                     for name, value in getattr(self.engine, "metrics", dict)().items()})
         stacked = torch.stack([torch.stack([s.float().to(self.device), n.float().to(self.device)])
                                for s, n in sums.values()])
         stacked = self.reduce_across_ranks(stacked, "sum")
