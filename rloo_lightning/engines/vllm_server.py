@@ -86,7 +86,8 @@ class _Server:
     def __init__(self, url: str, key: str, timeout: float) -> None:
         self.url, self.key, self.timeout = url.rstrip("/"), key, timeout
         self.lock = threading.Lock()  # one check-and-load at a time (the rows of a batch share the server)
-        self.model: str | None = None
+        self.model: str | None = None  # the served model's name and context, read at connect
+        self.max_model_len = 0
 
     def call(self, path: str, body: dict | None = None, timeout: float | None = None, method: str | None = None):
         data = None if body is None else json.dumps(body).encode()
@@ -209,11 +210,11 @@ class VLLMServerEngine(GenerationEngine):
         self._pending: list[Submitted] = []
         self._run = uuid.uuid4().hex[:8]
         self._folder: str | None = None  # the current version's folder (every rank knows it after a sync)
+        self._written: tuple[int, int] | None = None  # its tensors and bytes, which a server's load must match
         self._tag = ""  # the current version's name on the servers
         self._canary: tuple[list[int], list[float]] | None = None  # its ids and the trainer's log-probs
         self._made_dir: str | None = None
-        self._sums = {"sync_s": 0.0, "sync_mb": 0.0, "load_s": 0.0, "sync_wait_s": 0.0, "retries": 0.0,
-                      "syncs": 0.0}
+        self._sums = {"sync_s": 0.0, "sync_mb": 0.0, "load_s": 0.0, "sync_wait_s": 0.0, "retries": 0.0}
 
     # -- checks and connection, before any rollout -----------------------------------------------
     def prepare(self, model, tokenizer, generation_config) -> None:
@@ -323,22 +324,23 @@ class VLLMServerEngine(GenerationEngine):
         if "error" in outcome:
             raise _ServerFailed(outcome["error"])
         self._folder, self._tag, self.version = outcome["folder"], outcome["tag"], outcome["version"]
+        self._written = (outcome["tensors"], outcome["bytes"])
         self._canary = (canary_ids, canary)
         self.stale = False
         self._sums["sync_s"] += outcome["seconds"]
         self._sums["sync_mb"] += outcome["bytes"] / 2**20
         self._sums["load_s"] += outcome["load_s"]
         self._sums["sync_wait_s"] += time.perf_counter() - start
-        self._sums["syncs"] += 1
 
     def _publish(self, weights: dict[str, Tensor], canary) -> dict:
         """Rank 0: write the folder, load it into every server, verify; the outcome every rank takes."""
         from safetensors.torch import save_file
 
         start = time.perf_counter()
+        size = sum(t.numel() * t.element_size() for t in weights.values())
         root = self.sync_dir or self._made_dir
         if root is None:  # a folder of this process's: removed with it (the servers keep what they loaded)
-            root = self._made_dir = tempfile.mkdtemp(prefix="rloo_sync_", dir=_memory_folder(weights))
+            root = self._made_dir = tempfile.mkdtemp(prefix="rloo_sync_", dir=_memory_folder(size))
             atexit.register(shutil.rmtree, root, True)
         version = self.version + 1
         tag = f"{self._run}:{version}"
@@ -348,8 +350,7 @@ class VLLMServerEngine(GenerationEngine):
         os.makedirs(partial)
         save_file(weights, os.path.join(partial, "model.safetensors"), metadata={"version": tag})
         os.replace(partial, folder)
-        sent = {"tensors": len(weights), "bytes": sum(t.numel() * t.element_size() for t in weights.values())}
-        self._folder, self._tag, self._canary = folder, tag, canary
+        self._folder, self._tag, self._canary, self._written = folder, tag, canary, (len(weights), size)
         load_s = 0.0
         for server in self._servers:
             with server.lock:
@@ -357,14 +358,14 @@ class VLLMServerEngine(GenerationEngine):
         for old in os.listdir(root):  # a restarted server loads the current version; nothing older is needed
             if old.startswith(f"{self._run}-v") and os.path.join(root, old) != folder:
                 shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-        return {"folder": folder, "tag": tag, "version": version, "bytes": sent["bytes"], "load_s": load_s,
-                "seconds": time.perf_counter() - start}
+        return {"folder": folder, "tag": tag, "version": version, "tensors": len(weights), "bytes": size,
+                "load_s": load_s, "seconds": time.perf_counter() - start}
 
     def _load(self, server: _Server, paused: bool) -> float:
         """Load the current folder into ``server`` and verify it (caller holds ``server.lock``). ``paused``: behind
         ``/pause`` (it waits for what the server still generates) and ``/resume``; a server just restarted has
         nothing in flight."""
-        sent = _folder_counts(self._folder)
+        sent = self._written
         for attempt in range(self.retries + 1):
             try:
                 if paused:
@@ -603,33 +604,14 @@ def _one_line(err: BaseException) -> str:
     return text[0] if text and isinstance(err, _ServerFailed) else f"{type(err).__name__}: {' '.join(text)}"
 
 
-def _memory_folder(weights: dict[str, Tensor]) -> str | None:
-    """``/dev/shm`` when it has room for three copies of ``weights`` (a memory file system: a file written there
-    never waits for a disk; on a disk, 621 MB written every step made the write stall for 0.3–6 s as the kernel
-    flushed the previous ones), else None (the system's temporary folder)."""
-    size = sum(t.numel() * t.element_size() for t in weights.values())
+def _memory_folder(size: int) -> str | None:
+    """``/dev/shm`` when it has room for three copies of ``size`` bytes of weights (a memory file system: a file
+    written there never waits for a disk; on a disk, 621 MB written every step made the write stall for 0.3–6 s as
+    the kernel flushed the previous ones), else None (the system's temporary folder)."""
     try:
         return "/dev/shm" if shutil.disk_usage("/dev/shm").free > 3 * size else None
     except OSError:
         return None
-
-
-def _folder_counts(folder: str) -> tuple[int, int]:
-    from safetensors import safe_open
-
-    tensors = nbytes = 0
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(folder, name), framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    tensors += 1
-                    part = f.get_slice(key)
-                    shape, dtype = part.get_shape(), part.get_dtype()
-                    n = 1
-                    for d in shape:
-                        n *= d
-                    nbytes += n * {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "I32": 4}.get(dtype, 4)
-    return tensors, nbytes
 
 
 def _canary_logprobs(model, ids: list[int]) -> list[float]:
