@@ -72,8 +72,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks.bench import _child, _median, _r
+from rloo_lightning.engines.vllm import _environment  # these variables set for the children, restored after
+from rloo_lightning.engines.vllm_server_side import KEY_ENV  # what rloo-lightning serve and the engine read
 from benchmarks.bench_common import (
-    QUICKSTART, child_env, read_spec, record_json, run_child_verb, set_threads, write_result)
+    QUICKSTART, child_env, local_model_dir, read_spec, record_json, run_child_verb, set_threads, write_result)
 
 PRECISION = {"float32": "32-true", "bfloat16": "bf16-true"}
 TASKS = ("reverse", "arithmetic")
@@ -84,7 +86,6 @@ SERVER_TAGS = {"weight_sync_s": "train/weight_sync_s", "weight_sync_mb": "train/
 SMALLEST = dict(lags=[0, 1], splits=["1:1"], warmup=1, steps=2, batch_size=2, k=2, max_new_tokens=4)
 ENGINES = {"colocated": "rloo_lightning.engines.vllm.VLLMEngine",
            "server": "rloo_lightning.engines.vllm_server.VLLMServerEngine"}
-KEY_ENV = "VLLM_API_KEY"  # what rloo-lightning serve and VLLMServerEngine (api_key_env's default) read
 SERVER_STARTUP_S = 600.0  # a vLLM server starts in 20-60 s on 2 idle cores; SmolLM2 and a busy machine take longer
 
 
@@ -231,26 +232,10 @@ def _columns(steps: list[dict]) -> dict[str, list]:
     return {k: [_r(s.get(k)) + 0.0 if isinstance(s.get(k), float) else s.get(k) for s in steps] for k in keys}
 
 
-@contextlib.contextmanager
-def _environ(**values: str | None) -> Iterator[None]:
-    """These environment variables set for the children started inside (a None value: left as it is), restored
-    after."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update({name: value for name, value in values.items() if value is not None})
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def _omp_wait_policy(policy: str | None) -> contextlib.AbstractContextManager[None]:
     """``OMP_WAIT_POLICY`` set for the children started inside (the engine's child, or the server, inherits it);
     nothing changed when None."""
-    return _environ(OMP_WAIT_POLICY=policy.upper() if policy is not None else None)
+    return _environment({"OMP_WAIT_POLICY": policy.upper()} if policy is not None else {})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -372,12 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     if not _has("vllm"):
         parser.error(f"VLLMEngine and the vLLM server need vLLM, not importable here ({sys.executable}); on a CPU: "
                      "scripts/vllm_cpu_env.sh")
-    if args.model is not None and args.model.startswith("pkg:"):
-        from rloo_lightning.models import resolve_model_path
-
-        args.model = resolve_model_path(args.model)
-    if args.model is not None and not Path(args.model).is_dir():
-        parser.error(f"--model must be a local directory: {args.model!r}")
+    args.model = local_model_dir(parser, args.model)
 
     import yaml
 
@@ -405,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
                     stack.enter_context(_omp_wait_policy(args.omp_wait_policy))
                     server = None
                     if engine == "server":
-                        stack.enter_context(_environ(**{KEY_ENV: key}))
+                        stack.enter_context(_environment({KEY_ENV: key}))
                         print(f"[async_step] split {split}: starting a vLLM server ({engine_threads} threads)",
                               file=sys.stderr)
                         try:

@@ -89,6 +89,18 @@ def run_child_verb(argv: list[str], verbs: dict) -> bool:
     return True
 
 
+def local_model_dir(parser, model: str | None, why: str = "") -> str | None:
+    """``--model`` as a local directory: ``pkg:<package>`` resolved to the installed package's (its GGUF file), any
+    other value that is not a directory refused through ``parser`` (None: the benchmark builds its own model)."""
+    if model is not None and model.startswith("pkg:"):
+        from rloo_lightning.models import resolve_model_path
+
+        model = resolve_model_path(model)
+    if model is not None and not Path(model).is_dir():
+        parser.error(f"--model must be a local directory{why}: {model!r}")
+    return model
+
+
 def write_result(path: str, result: dict) -> None:
     import torch
 

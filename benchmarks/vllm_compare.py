@@ -51,7 +51,7 @@ from pathlib import Path
 
 from benchmarks.bench import _child, _median, _r, _tb_scalars, _versions
 from benchmarks.bench_common import (
-    QUICKSTART, Clock, emit_json, read_spec, run_child_verb, set_threads, write_result)
+    QUICKSTART, Clock, emit_json, local_model_dir, read_spec, run_child_verb, set_threads, write_result)
 
 
 ENGINES = ("default", "vllm", "trl_vllm")
@@ -346,12 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     sleep_level = args.vllm_sleep_level if args.vllm_sleep_level is not None else int(args.device == "cuda")
     if args.device == "cpu" and sleep_level:
         parser.error("--vllm-sleep-level is for cuda (vLLM's sleep mode); on a CPU it must be 0")
-    if args.model is not None and args.model.startswith("pkg:"):  # an installed package's directory (its GGUF)
-        from rloo_lightning.models import resolve_model_path
-
-        args.model = resolve_model_path(args.model)
-    if args.model is not None and not Path(args.model).is_dir():
-        parser.error(f"--model must be a local directory (TRL and vLLM load it by path): {args.model!r}")
+    args.model = local_model_dir(parser, args.model, " (TRL and vLLM load it by path)")
 
     import yaml
 
