@@ -24,7 +24,8 @@ __all__ = ["GenerationEngine", "Submitted", "build_engine", "engine_class", "eng
 @dataclass
 class Submitted:
     """A handle of :meth:`GenerationEngine.submit`: the result when it is known (``value``), the engine's seconds
-    on it (``seconds``, None: not known) and whatever an engine keeps to find it (``key``)."""
+    on it (``seconds``, None: not known) and what the engine keeps to find it (``key``: a frozen dataclass of the
+    engine's own, with named fields, e.g. :class:`~rloo_lightning.engines.vllm.ChildRequest`)."""
 
     value: Any = None
     seconds: float | None = None
@@ -178,11 +179,11 @@ def engine_spec(engine: GenerationEngine) -> tuple[dict | None, str | None]:
 def engine_class(class_path: str) -> type:
     """The :class:`GenerationEngine` subclass at ``class_path`` (``package.module.Class``); ImportError or
     TypeError naming it otherwise."""
-    from rloo_lightning.rewards.protocol import RewardError, _import_object  # the package's one import by path
+    from rloo_lightning.runtime.importpath import ImportPathError, import_object
 
     try:
-        cls = _import_object(class_path, "generation engine")
-    except RewardError as err:  # its message names the path and the closest name there
+        cls = import_object(class_path, "generation engine")
+    except ImportPathError as err:  # its message names the path and the closest name there
         raise ImportError(str(err)) from err.__cause__
     if not (isinstance(cls, type) and issubclass(cls, GenerationEngine)):
         raise TypeError(f"generation engine {class_path} is not a GenerationEngine subclass")

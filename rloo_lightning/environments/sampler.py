@@ -230,11 +230,11 @@ class _Failures:
 
 def import_environment(path: str, option: str) -> type:
     """The :class:`Environment` subclass at import path ``path``; errors are :class:`EnvironmentConfigError`."""
-    from rloo_lightning.rewards.protocol import RewardError, _import_object
+    from rloo_lightning.runtime.importpath import ImportPathError, import_object
 
     try:
-        cls = _import_object(path, option)
-    except RewardError as err:
+        cls = import_object(path, option)
+    except ImportPathError as err:
         raise EnvironmentConfigError(str(err)) from err.__cause__
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise EnvironmentConfigError(f"{option} {path!r} is not a subclass of rloo_lightning.environments.Environment")

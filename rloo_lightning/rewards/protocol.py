@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import difflib
 import functools
-import importlib
 import inspect
 import math
 import numbers
-import os
-import pkgutil
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+
+from rloo_lightning.runtime.importpath import ImportPathError, import_object
 
 __all__ = [
     "RewardFunction",
@@ -70,62 +69,13 @@ def _builtin_rewards() -> list[str]:
     return [f"{m.__name__}.{n}" for m in (builtin, model) for n in m.__all__ if inspect.isclass(getattr(m, n))]
 
 
-def _did_you_mean(path: str, what: str, found: Any = None, at: int | None = None) -> str:
-    """``"; did you mean '<path>'?"`` for an import path that does not resolve, or "" when nothing is close.
-
-    ``found``: the object the path resolved to up to part ``at`` (which it lacks): the closest of its public names
-    (and, for a package, of its submodules) replaces that part. Else, for a reward function, the built-in reward
-    whose name is closest to the path's last part.
-    """
-    parts = path.split(".") if isinstance(path, str) else []
-    if found is not None and at is not None:
-        names = {n for n in dir(found) if not n.startswith("_")}
-        if hasattr(found, "__path__"):  # a package: its submodules are names too, imported or not
-            names |= {m.name for m in pkgutil.iter_modules(found.__path__)}
-        close = difflib.get_close_matches(parts[at], sorted(names), n=1)
-        if close:
-            return f"; did you mean {'.'.join(parts[:at] + close + parts[at + 1:])!r}?"
-    if what == "reward function" and parts:
-        builtins = {p.rpartition(".")[2].lower(): p for p in _builtin_rewards()}
-        close = difflib.get_close_matches(parts[-1].lower(), list(builtins), n=1)
-        if close:
-            return f"; did you mean {builtins[close[0]]!r}?"
-    return ""
-
-
-def _import_object(path: str, what: str) -> Any:
-    """The object at ``"pkg.module.attr[.attr...]"``: the longest importable module prefix, then attributes."""
-    if not isinstance(path, str) or "." not in path.strip("."):
-        raise RewardError(f"{what} {path!r}: expected an import path 'package.module.name'"
-                          + _did_you_mean(path, what))
-    parts = path.split(".")
-    errors = []
-    for cut in range(len(parts) - 1, 0, -1):
-        module_name = ".".join(parts[:cut])
-        try:
-            obj = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            # Only "this very module is missing" means: try a shorter prefix. A missing
-            # dependency *inside* an existing module is the user's real error.
-            if err.name is not None and (module_name == err.name or module_name.startswith(err.name + ".")):
-                errors.append(err)
-                continue
-            raise RewardError(f"{what} {path!r} cannot be imported: {err}") from err
-        except Exception as err:  # the module itself failed while executing
-            raise RewardError(f"{what} {path!r}: importing {module_name!r} failed: {err!r}") from err
-        for at in range(cut, len(parts)):
-            try:
-                obj = getattr(obj, parts[at])
-            except AttributeError as err:
-                raise RewardError(f"{what} {path!r} cannot be imported: {err}"
-                                  + _did_you_mean(path, what, obj, at)) from err
-        return obj
-    missing = errors[-1].name if errors else parts[0]
-    raise RewardError(
-        f"{what} {path!r} cannot be imported: no module named {missing!r} (searched the working directory "
-        f"{os.getcwd()}, PYTHONPATH and the installed packages; run from the folder that holds {missing}.py "
-        "or add its folder to PYTHONPATH)" + _did_you_mean(path, what)
-    ) from None
+def _import_reward(path: str) -> Any:
+    """The object at a reward function's import path; :class:`RewardError` naming it (and the closest built-in
+    reward) when it does not resolve."""
+    try:
+        return import_object(path, "reward function", candidates=_builtin_rewards)
+    except ImportPathError as err:
+        raise RewardError(str(err)) from err.__cause__
 
 
 def _instantiate(obj: Any, init_args: Mapping, spec: Any) -> Any:
@@ -166,12 +116,12 @@ def build_reward(spec: RewardSpec) -> tuple[str, RewardFunction]:
         init_args = spec.get("init_args") or {}
         if not isinstance(init_args, Mapping):
             raise RewardError(f"reward function {spec['class_path']!r}: init_args must be a mapping, got {init_args!r}")
-        obj = _import_object(spec["class_path"], "reward function")
+        obj = _import_reward(spec["class_path"])
         fn = _instantiate(obj, dict(init_args), spec["class_path"])
         name = spec.get("name") or (obj.__name__ if inspect.isclass(obj) else _name_of(obj))
         where = spec["class_path"]
     elif isinstance(spec, str):
-        obj = _import_object(spec, "reward function")
+        obj = _import_reward(spec)
         fn = _instantiate(obj, {}, spec)
         name, where = spec.rpartition(".")[2], spec
     elif callable(spec):

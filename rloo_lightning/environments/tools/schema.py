@@ -15,7 +15,7 @@ __all__ = ["resolve_tools", "tool_prompt", "tool_schema", "tool_schemas"]
 def resolve_tools(paths: Sequence[str]) -> dict[str, Callable]:
     """``{name: function}`` for import paths ``pkg.module.function``; errors (:class:`EnvironmentConfigError`)
     name the path."""
-    from rloo_lightning.rewards.protocol import RewardError, _import_object
+    from rloo_lightning.runtime.importpath import ImportPathError, import_object
 
     if isinstance(paths, str) or not paths:
         raise EnvironmentConfigError(f"tools must be a non-empty list of import paths 'package.module.function', "
@@ -23,8 +23,8 @@ def resolve_tools(paths: Sequence[str]) -> dict[str, Callable]:
     tools = {}
     for path in paths:
         try:
-            fn = _import_object(path, "tool")
-        except RewardError as err:  # the importer is shared with reward functions; this is a tool's error
+            fn = import_object(path, "tool")
+        except ImportPathError as err:  # the importer is shared with reward functions; this is a tool's error
             raise EnvironmentConfigError(str(err)) from err.__cause__
         if not callable(fn):
             raise EnvironmentConfigError(f"tool {path!r} is not callable")
