@@ -320,7 +320,7 @@ class UpdateArgs:
 
     def warmup_steps(self, total_steps: int) -> int:
         """The default schedule's warm-up for a run of ``total_steps`` optimizer steps: ``warmup_ratio`` of them,
-        rounded down (``module.warmup_constant_schedule``; the first step runs at 1 / warm-up of the rate)."""
+        rounded down (``update.warmup_constant_schedule``; the first step runs at 1 / warm-up of the rate)."""
         return int(self.warmup_ratio * total_steps)
 
 

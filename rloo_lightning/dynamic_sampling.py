@@ -10,9 +10,11 @@ from torch import Tensor
 
 from rloo_lightning.algo.advantages import informative_groups
 from rloo_lightning.config import DynamicSamplingArgs
-from rloo_lightning.rollout import Rollout, concat_groups
+from rloo_lightning.metrics import log_step_metrics
+from rloo_lightning.rollout import Rollout, concat_groups, derive_seed
+from rloo_lightning.runtime import framework
 
-__all__ = ["fill_informative"]
+__all__ = ["fill_informative", "informative_rollout"]
 
 
 def fill_informative(
@@ -64,3 +66,25 @@ def fill_informative(
         parts.append((rollout, filler.tolist()[: num_groups - found]))
     stats = {"train/dynamic_sampling_rounds": float(rounds), "train/informative_groups": float(counts[0] / counts[2])}
     return concat_groups(parts, pad_token_id), stats
+
+
+def informative_rollout(module, rollout: Rollout, num_groups: int) -> Rollout:
+    """The training step's dynamic sampling: ``rollout`` filled by :func:`fill_informative` with extra rounds of
+    prompts from the data module's ``sample_batch``, each sampled and scored by ``module`` (an ``RLOOModule``),
+    seeded by (seed, rank, step, round); the rounds' statistics logged."""
+    datamodule, cfg, step = module.run_by.datamodule, module.cfg, module.global_step
+    if not hasattr(datamodule, "sample_batch"):
+        raise ValueError("dynamic_sampling needs a data module with sample_batch(num_prompts, seed), "
+                         "such as PromptDataModule")
+
+    def draw(round_: int) -> Rollout:
+        seed = derive_seed(cfg.sampling.seed, module.global_rank, "dynamic", step, round_)
+        extra = module.batch_on_device(datamodule.sample_batch(num_groups, seed))
+        candidate = module.sample(extra, cfg.sampling.k, module.sampling_seed(f"dynamic{round_}", step), in_step=True)
+        candidate.scores, candidate.rewards = module.score(candidate)
+        return candidate
+
+    rollout, stats = fill_informative(rollout, num_groups, cfg.dynamic_sampling, draw, module.reduce_across_ranks,
+                                      module.tokenizer.pad_token_id, step)
+    log_step_metrics(framework.module_trainer(module), stats, step)
+    return rollout

@@ -165,6 +165,18 @@ def train_metric_sums(rollout, entropy: Tensor, loss: Tensor) -> dict[str, tuple
     return sums
 
 
+def single_values(values: Mapping[str, float]) -> dict[str, tuple[Tensor, Tensor]]:
+    """Per-rank values (the pipeline's, an engine's) as ``(value, 1)`` pairs: their global mean is over ranks."""
+    return {name: (torch.tensor(float(value)), torch.tensor(1.0)) for name, value in values.items()}
+
+
+def global_means(sums: Mapping[str, tuple[Tensor, Tensor]], reduce, device) -> dict[str, float]:
+    """``{name: (sum, count)}`` -> ``{name: exact global mean}``: every pair stacked and summed over ranks in one
+    ``reduce(tensor, "sum")``, then divided (:func:`step_means`)."""
+    stacked = torch.stack([torch.stack([s.float().to(device), n.float().to(device)]) for s, n in sums.values()])
+    return dict(zip(sums, step_means(reduce(stacked, "sum"))))
+
+
 def step_means(sums: Tensor) -> list[float]:
     """``[M, 2]`` (sum, count) pairs -> M means; NaN where the count is 0 (nothing to average: a step whose every
     reward is missing logs ``train/reward`` NaN, not 0)."""

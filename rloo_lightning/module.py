@@ -5,9 +5,10 @@ The rest of a Lightning module around a sampled LM (models, engine checks, evalu
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 
@@ -16,7 +17,7 @@ from rloo_lightning.algo.correction import importance_weights, mismatch_sums, we
 from rloo_lightning.algo.kl import KLTerm
 from rloo_lightning.algo.losses import PolicyLoss
 from rloo_lightning.algo.shaping import shape_rewards
-from rloo_lightning.callbacks.base import RolloutHook, ValidateAtStart
+from rloo_lightning.callbacks.base import ValidateAtStart, call_rollout_hooks
 from rloo_lightning.callbacks.checkpoint import FinalCheckpoint, ended_optimizer_step, start_next_epoch
 from rloo_lightning.callbacks.predict import PredictionWriter
 from rloo_lightning.callbacks.runtime import ProcessRuntime
@@ -25,16 +26,17 @@ from rloo_lightning.config import (
     RolloutArgs, RunArgs, SamplingArgs, ShapingArgs, UpdateArgs, ValidationArgs, GROUPS, Options, as_group,
     to_primitives,
 )
-from rloo_lightning.dynamic_sampling import fill_informative
+from rloo_lightning.dynamic_sampling import informative_rollout
 from rloo_lightning.engines import GenerationEngine, build_engine, engine_spec
 from rloo_lightning.engines.decode import DecodeLoopEngine
 from rloo_lightning.environments.sampler import EpisodeSampler
-from rloo_lightning.forward import sequence_logprobs, worth_sharing
-from rloo_lightning.metrics import MissingRewardWatch, NoSignalWatch, log_step_metrics, step_means, train_metric_sums, \
-    write_to_loggers
+from rloo_lightning.metrics import (
+    MissingRewardWatch, NoSignalWatch, global_means, log_step_metrics, single_values, train_metric_sums,
+    write_to_loggers,
+)
 from rloo_lightning.models import sharding
-from rloo_lightning.models.policy import check_checkpoint_fits, lora_config
-from rloo_lightning.pipeline import RolloutPipeline
+from rloo_lightning.models.policy import lora_config
+from rloo_lightning.pipeline import RolloutPipeline, resumed_rollouts_ahead
 from rloo_lightning.policy_module import PolicyModule
 from rloo_lightning.reference import ReferencePolicy
 from rloo_lightning.rewards import RewardSet
@@ -45,12 +47,7 @@ from rloo_lightning.update import (
     GradientStash, NonFiniteError, NonFiniteGuard, PolicyUpdate, RolloutReuse, loss_denominators, micro_batches,
 )
 
-__all__ = ["RLOOModule", "NonFiniteError", "warmup_constant_schedule"]
-
-
-def warmup_constant_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int):
-    """Linear warm-up from ~0 to the base rate over ``warmup_steps``, then constant (the paper's schedule)."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
+__all__ = ["RLOOModule", "NonFiniteError"]
 
 
 class RLOOModule(PolicyModule):
@@ -146,8 +143,9 @@ class RLOOModule(PolicyModule):
         self.kl_term = KLTerm.from_args(c.kl)
         self.policy_loss = PolicyLoss.from_args(c.update, c.kl)
         self.reuse = RolloutReuse(c.update.updates_per_rollout)
-        self.pipeline: RolloutPipeline | None = None  # rollout.max_staleness >= 1: made at fit start (on_fit_start)
-        self._pipeline_state: dict | None = None  # a resumed checkpoint's rollouts ahead, until on_fit_start
+        # rollout.max_staleness K >= 1: the rollouts ahead, sampled K steps before the step that trains on them.
+        lag = c.rollout.max_staleness
+        self.pipeline = RolloutPipeline(lag, c.update.updates_per_rollout, host=self) if lag else None
         self.grad_stash = GradientStash()
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
         self.policy: torch.nn.Module | None = None
@@ -173,17 +171,6 @@ class RLOOModule(PolicyModule):
         # ModelCheckpoints, always last).
         return callbacks + [ProcessRuntime()]
 
-    def configure_optimizers(self):
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=1e-6) if self.optimizer_factory is None else self.optimizer_factory(
-            params)
-        if self.scheduler_factory is not None:
-            scheduler = self.scheduler_factory(optimizer)
-        else:
-            total = self.trainer.estimated_stepping_batches
-            scheduler = warmup_constant_schedule(optimizer, self.cfg.update.warmup_steps(total))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
     # -- the training step ---------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> Tensor | None:
         c = self.cfg
@@ -193,7 +180,8 @@ class RLOOModule(PolicyModule):
             # 1. (rollout.max_staleness K >= 1) Submit step g + K's rollout from these weights, and take this step's,
             #    sampled from the weights of step g - K while the steps between trained (pipeline.py); step 5
             #    corrects it against pi_theta.
-            ahead = self.sample_ahead(batch, batch_idx, take=fresh)
+            with self.generating(in_step=True):
+                ahead = self.pipeline.rollout(batch, batch_idx, self.global_step, take=fresh)
             rollout = ahead if fresh else rollout
         elif fresh:
             # 1. Rollout: k samples per prompt from pi_theta itself (explicit sampler, seeded by step): on-policy,
@@ -203,7 +191,7 @@ class RLOOModule(PolicyModule):
             # 2. Rewards: weighted sum of the reward functions (NaN = missing), then the optional shaping.
             rollout.scores, rollout.rewards = self.score(rollout)
             if c.dynamic_sampling.enabled:  # DAPO: more prompts until every group's rewards differ
-                rollout = self.informative_rollout(rollout, len(batch["prompt"]))
+                rollout = informative_rollout(self, rollout, len(batch["prompt"]))
         # 3.-7. Log-probs, KL, sampler correction, advantages, loss (rollout_loss, below).
         loss, entropy = self.rollout_loss(rollout)
         self.reuse.record(rollout)
@@ -247,7 +235,7 @@ class RLOOModule(PolicyModule):
             #    Callbacks see the rollout first and may drop rows (advantage 0) or edit baseline_rewards.
             rollout.keep = ~rollout.truncated if c.shaping.mask_truncated_completions else \
                 torch.ones_like(rollout.truncated, dtype=torch.bool)
-            self._call_rollout_hooks("on_rollout", rollout)
+            call_rollout_hooks(self.run_by, self, "on_rollout", rollout)
             rollout.advantages = self.advantage_estimator(rollout.baseline_rewards, rollout.keep,
                                                           self.reduce_across_ranks)
             rollout.token_advantages = self.kl_term.token_advantages(rollout.advantages, rollout.token_kl,
@@ -257,7 +245,7 @@ class RLOOModule(PolicyModule):
         if fresh and c.update.updates_per_rollout > 1:
             rollout.old_logp = logp  # pi_theta_old of the later updates on this rollout (detached)
         if fresh:
-            self._call_rollout_hooks("on_rollout_end", rollout)
+            call_rollout_hooks(self.run_by, self, "on_rollout_end", rollout)
         return loss, entropy
 
     # -- the pieces of a step ------------------------------------------------------------------
@@ -271,82 +259,49 @@ class RLOOModule(PolicyModule):
         ``in_step``: a training step's rollout. A stop signal during it then ends the run here, every rank together
         (:func:`~rloo_lightning.runtime.sigterm.end_step`: the ranks' one agreement inside the step), before anything
         of it is kept."""
-        # Sharded policies (FSDP2, FSDP, ZeRO-3): parameters gathered once for the whole generate call (every turn
-        # of an episode), so that ranks stopping at different lengths issue no collectives (no deadlock).
         config = self.greedy_config if greedy else self.generation_config
+        with self.generating(in_step):
+            return self.sampler.sample(self.generation_context(), batch, k, config, seed)
+
+    @contextmanager
+    def generating(self, in_step: bool):
+        """Around a generation call: timed, and on sharded policies (FSDP2, FSDP, ZeRO-3) the parameters gathered
+        once for the whole call (every turn of an episode), so that ranks stopping at different lengths issue no
+        collectives (no deadlock). ``in_step``: a stop signal then ends the run after it (see :meth:`sample`)."""
         with self.timer("generation"), sharding.gathered_for_generation(self.policy, self._strategy):
-            rollout = self.sampler.sample(self._using(), batch, k, config, seed)
+            yield
         if in_step:
             sigterm.end_step(framework.module_trainer(self), "after generation")
-        return rollout
 
-    def sample_ahead(self, batch: dict, batch_idx: int, take: bool = True) -> Rollout | None:
-        """Step 1 with ``rollout.max_staleness`` K >= 1: submit (at an optimizer step's first batch) the rollouts of
-        step g + K from the weights as they are, then (``take``) this batch's rollout, sampled K optimizer steps ago
-        (:class:`~rloo_lightning.pipeline.RolloutPipeline`). A step that reuses its rollout submits all the same, so
-        that the lag stays K. A stop signal ends the run here, as in :meth:`sample`."""
-        accumulate = self.run_by.accumulate_grad_batches
-        position = self.global_step * accumulate + batch_idx % accumulate
-        with self.timer("generation"), sharding.gathered_for_generation(self.policy, self._strategy):
-            self.pipeline.submit_due(position, self.global_step)
-            rollout = self.pipeline.take(position, batch) if take else None
-        sigterm.end_step(framework.module_trainer(self), "after generation")
-        return rollout
+    def submit_rollout(self, batch: dict, seed: int):
+        """Start :meth:`sample` of ``batch`` from the weights as they are (the pipeline's rollouts ahead): a handle
+        for :meth:`collect_rollout`, or the rollout itself from a sampler that cannot overlap (multi-turn)."""
+        context, k = self.generation_context(), self.cfg.sampling.k
+        if hasattr(self.sampler, "submit"):
+            return self.sampler.submit(context, batch, k, self.generation_config, seed)
+        return self.sampler.sample(context, batch, k, self.generation_config, seed)
 
-    def _on_device(self, batch: dict) -> dict:
+    def collect_rollout(self, handle) -> tuple[Rollout, float | None]:
+        """The rollout of a :meth:`submit_rollout` handle, and the engine's seconds on it when it says."""
+        return self.sampler.collect(self.generation_context(), handle)
+
+    def batch_on_device(self, batch: dict) -> dict:
         """A batch drawn outside the loader (dynamic sampling's rounds, the rollouts ahead) with its tensors here."""
         return {key: v.to(self.device) if isinstance(v, Tensor) else v for key, v in batch.items()}
 
-    def _using(self) -> GenerationContext:
+    def generation_context(self) -> GenerationContext:
+        """What a sampler needs of the module: the policy, tokenizer, engine, grad-free context and reduction."""
         return GenerationContext(self.policy, self.tokenizer, self.engine, self._grad_free(), self.reduce_across_ranks)
-
-    def _submit_ahead(self, position: int, version: int) -> tuple[dict, object]:
-        """The batch at loader ``position`` and its rollout started from the current weights (a handle), or sampled
-        whole now by a sampler that cannot overlap (multi-turn episodes). Seeded as the step that trains on it
-        would seed it, so that only the weights differ from a run with K = 0."""
-        batch = self._on_device(self.run_by.datamodule.train_batch(position))
-        seed = self.sampling_seed("train", position // self.run_by.accumulate_grad_batches)
-        using, k = self._using(), self.cfg.sampling.k
-        if hasattr(self.sampler, "submit"):
-            return batch, self.sampler.submit(using, batch, k, self.generation_config, seed)
-        return batch, self.sampler.sample(using, batch, k, self.generation_config, seed)
-
-    def _collect_ahead(self, pending) -> tuple[Rollout, float | None]:
-        return self.sampler.collect(self._using(), pending)
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if getattr(stage, "value", stage) == "fit" and self.cfg.rollout.max_staleness:
-            self._check_lag()
-
-    def _check_lag(self) -> None:
-        """``rollout.max_staleness`` K >= 1 at fit's setup: a data module that gives a later step's batch, and one
-        line saying what K means for this run and which correction applies."""
-        lag, c = self.cfg.rollout.max_staleness, self.cfg.correction
-        datamodule = self.run_by.datamodule
-        if not callable(getattr(datamodule, "train_batch", None)):
-            raise ValueError(f"rollout.max_staleness={lag} samples the prompts of the next {lag} steps ahead: it needs "
-                             "a data module with train_batch(position), the batch its train loader yields at that "
-                             f"position (PromptDataModule has it; {type(datamodule).__name__} has not)")
-        how = "no correction (the stale samples train as if on-policy: biased)" if c.level == "none" else (
-            f"correction.level {c.level} ({c.mode}, cap {c.cap})")
-        message = (f"rollout.max_staleness={lag}: step g trains on a rollout sampled from the weights of step g-{lag} "
-                   f"(the first {lag} from the initial weights), generated while the steps between train; {how}"
-                   + (f"; with update.updates_per_rollout={self.cfg.update.updates_per_rollout} the last update on "
-                      f"a rollout is {lag + self.cfg.update.updates_per_rollout - 1} steps after its weights"
-                      if self.cfg.update.updates_per_rollout > 1 else ""))
-        (rank_zero_warn if c.level == "none" else rank_zero_info)(message)
+        if getattr(stage, "value", stage) == "fit" and self.pipeline is not None:
+            self.pipeline.check_setup(self.run_by, self.cfg.correction, self.cfg.update.updates_per_rollout)
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
-        lag = self.cfg.rollout.max_staleness
-        if lag and self.pipeline is None:
-            self.pipeline = RolloutPipeline(lag, self.run_by.accumulate_grad_batches,
-                                            self.cfg.update.updates_per_rollout, self._submit_ahead,
-                                            self._collect_ahead)
-        if lag and self._pipeline_state is not None:
-            self.pipeline.load_state_dict(self._pipeline_state)
-            self._pipeline_state = None
+        if self.pipeline is not None:
+            self.pipeline.start(self.run_by)
 
     def score(self, rollout: Rollout, shape: bool = True) -> tuple[dict[str, Tensor], Tensor]:
         """Step 2: ``(scores, rewards)``: ``{name: [B]}`` per reward function and the task reward ``[B]``, their
@@ -366,20 +321,6 @@ class RLOOModule(PolicyModule):
                 rewards = shape_rewards(rewards, rollout.completion_mask, rollout.missing_eos, self.cfg.shaping,
                                         self.cfg.sampling.max_new_tokens)
             return {name: v.to(self.device) for name, v in per_func.items()}, rewards
-
-    def logprobs(self, model: torch.nn.Module, rollout: Rollout, rows: slice = slice(None),
-                 with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-        """Per-token log-probs ``[b, T]`` of ``rows`` under ``model`` at the sampling temperature (step 3)."""
-        return sequence_logprobs(model, rollout, rows, self.cfg.sampling.temperature, with_entropy,
-                                 share_prompt=self.shares_prompt(rollout))
-
-    def shares_prompt(self, rollout: Rollout) -> bool:
-        """``update.share_prompt`` for this rollout (``auto``: :func:`~rloo_lightning.forward.worth_sharing`)."""
-        option = self.cfg.update.share_prompt
-        if option != "auto":
-            return option == "always"
-        distinct = int(rollout.prompt_mask[::rollout.k].sum())
-        return worth_sharing(self._policy_params, rollout.k, distinct)
 
     def reference_logprobs(self, rollout: Rollout, rows: list[slice]) -> Tensor:
         """Step 3: ``[B, T]`` log-probs of the completions under the reference, one micro-batch at a time."""
@@ -424,34 +365,6 @@ class RLOOModule(PolicyModule):
         return update.loss(self.policy_loss, rollout, advantages, denominators, self.beta,
                            lambda loss: self.grad_stash.backward_early(loss, self.policy, scaler))
 
-    def informative_rollout(self, rollout: Rollout, num_groups: int) -> Rollout:
-        """Dynamic sampling: extra rounds of prompts from the data module's ``sample_batch`` (``fill_informative``)."""
-        datamodule = self.run_by.datamodule
-        if not hasattr(datamodule, "sample_batch"):
-            raise ValueError("dynamic_sampling needs a data module with sample_batch(num_prompts, seed), "
-                             "such as PromptDataModule")
-        step = self.global_step
-
-        def draw(round_: int) -> Rollout:
-            extra = datamodule.sample_batch(num_groups, derive_seed(self.cfg.sampling.seed, self.global_rank,
-                                                                    "dynamic", step, round_))
-            extra = self._on_device(extra)
-            candidate = self.sample(extra, self.cfg.sampling.k, self.sampling_seed(f"dynamic{round_}", step),
-                                    in_step=True)
-            candidate.scores, candidate.rewards = self.score(candidate)
-            return candidate
-
-        rollout, stats = fill_informative(rollout, num_groups, self.cfg.dynamic_sampling, draw,
-                                          self.reduce_across_ranks, self.tokenizer.pad_token_id, step)
-        log_step_metrics(framework.module_trainer(self), stats, step)
-        return rollout
-
-    def _call_rollout_hooks(self, hook: str, rollout: Rollout) -> None:
-        """``on_rollout`` (may edit) or ``on_rollout_end`` (read-only) on each RolloutHook callback."""
-        for callback in self.run_by.callbacks:
-            if isinstance(callback, RolloutHook):
-                getattr(callback, hook)(self.run_by, self, rollout)
-
     # -- Lightning hooks around the optimizer step ---------------------------------------------
     def on_before_backward(self, loss: Tensor) -> None:
         self.grad_stash.inject(self.policy)  # the earlier micro-batches' gradients join the last one's
@@ -471,6 +384,11 @@ class RLOOModule(PolicyModule):
         if self.ref is not None:
             self.ref.sync(self.policy, self.global_step, self.device)  # kl.ref_sync_steps: TR-DPO (reference.py)
 
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        if self.pipeline is not None:  # the step's end: nothing in flight between steps (a checkpoint holds whole
+            self.pipeline.drain()      # rollouts ahead; pipeline.py)
+
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         if ended_optimizer_step(self.run_by, batch_idx):  # an optimizer step happened: an engine's own copy resyncs
             self.engine.on_weights_updated(self.policy)
@@ -483,84 +401,41 @@ class RLOOModule(PolicyModule):
         if self.advantage_estimator.moving_average is not None:
             entries["rloo_moving_average"] = self.advantage_estimator.state_dict()
         if (stored := self.reuse.state_dict()) is not None:  # between two updates on one rollout: the resumed run
-            entries["rloo_rollout"] = {"ranks": self._every_rank(stored)}  # goes on, each rank with its own
+            entries["rloo_rollout"] = {"ranks": self.gather_across_ranks(stored)}  # goes on, each rank with its own
         if self.ref is not None and (state := self.ref.state_dict()) is not None:
             entries["rloo_reference"] = state  # kl.ref_sync_steps: it moves, keep it
-        if self.pipeline is not None:  # the K rollouts ahead, finished first; each rank's own (its own prompts)
-            entries["rloo_pipeline"] = {"lag": self.pipeline.lag, "ranks": self._every_rank(self.pipeline.state_dict())}
+        if self.pipeline is not None:  # the K rollouts ahead; each rank's own (its own prompts)
+            entries["rloo_pipeline"] = self.pipeline.checkpoint_entry(self.gather_across_ranks)
         return entries
 
-    def _every_rank(self, state) -> list:
-        """``state`` of every rank, by global rank (a collective: every rank calls it at the same point)."""
-        if self.world_size == 1 or not torch.distributed.is_initialized():
-            return [state]
-        states = [None] * self.world_size
-        torch.distributed.all_gather_object(states, state)
-        return states
-
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
         checkpoint.update(self.checkpoint_entries())
         start_next_epoch(checkpoint.get("loops"))  # after an epoch's end: resumed, the next epoch starts afresh
-        for key in self._frozen_base_keys():  # LoRA: the base is the model on disk; the checkpoint holds the adapter
-            checkpoint["state_dict"].pop(key, None)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        # Another model's checkpoint: one line naming both, before any tensor (policy or reference) is loaded.
-        check_checkpoint_fits(checkpoint, self.state_dict(keep_vars=True), self.hparams.model_name_or_path,
-                              absent_ok=self._frozen_base_keys())
+        super().on_load_checkpoint(checkpoint)  # another model's checkpoint refused; a LoRA base filled in
         self.guard.skipped_steps = checkpoint.get("rloo_skipped_steps", 0)
         self.advantage_estimator.load_state_dict(checkpoint.get("rloo_moving_average", {}))
         if "rloo_rollout" in checkpoint:
-            stored = checkpoint["rloo_rollout"]  # earlier checkpoints: rank 0's alone
-            ranks = stored.get("ranks", [stored])
-            self.reuse.load_state_dict(ranks[self.global_rank] if len(ranks) == self.world_size else ranks[0])
+            self.reuse.load_rank(checkpoint["rloo_rollout"], self.global_rank, self.world_size)
         if "rloo_reference" in checkpoint and self.ref is not None:
             self.ref.load_state_dict(checkpoint["rloo_reference"])
-        self._pipeline_state = self._check_resumed_lag(checkpoint)
-        if self.pipeline is not None and self._pipeline_state is not None:  # strategies that restore after on_fit_start
-            self.pipeline.load_state_dict(self._pipeline_state)
-            self._pipeline_state = None
-        base = self._frozen_base_keys()  # configure_model has run: these are the base model's weights
-        if base:
-            current = self.state_dict()
-            for key in base - checkpoint["state_dict"].keys():
-                checkpoint["state_dict"][key] = current[key]
-
-    def _check_resumed_lag(self, checkpoint: dict) -> dict | None:
-        """The checkpoint's rollouts ahead, for a resumed fit with the same ``rollout.max_staleness``; another lag is
-        refused (the next steps would sample from other weights than the interrupted run's)."""
         trainer = framework.module_trainer(self)
-        if trainer is None or getattr(trainer.state.fn, "value", trainer.state.fn) != "fit":
-            return None
-        stored = checkpoint.get("rloo_pipeline")
-        saved_lag = stored["lag"] if stored is not None else 0
-        lag = self.cfg.rollout.max_staleness
-        if saved_lag != lag and checkpoint.get("global_step", 0) > 0:
-            raise ValueError(f"rollout.max_staleness={lag}, but this checkpoint was trained with {saved_lag}: a resume "
-                             "keeps the lag (the next steps would otherwise sample from other weights than the "
-                             f"interrupted run's). Resume with --model.rollout.max_staleness {saved_lag}, or export "
-                             "the weights and start a new fit from them")
-        if stored is None:
-            return None
-        if len(stored["ranks"]) != self.world_size:
-            raise ValueError(f"rollout.max_staleness={lag}: this checkpoint holds the rollouts ahead of "
-                             f"{len(stored['ranks'])} ranks, sampled from their shards of the data; it resumes on "
-                             f"{len(stored['ranks'])} ranks, not {self.world_size}")
-        return stored["ranks"][self.global_rank]
+        if trainer is not None and getattr(trainer.state.fn, "value", trainer.state.fn) == "fit":  # a resumed fit
+            ahead = resumed_rollouts_ahead(checkpoint, self.cfg.rollout.max_staleness, self.world_size,
+                                           self.global_rank)  # another lag is refused
+            if self.pipeline is not None:
+                self.pipeline.resume(ahead)
 
     # -- metrics -------------------------------------------------------------------------------
     def log_train_metrics(self, rollout: Rollout, entropy: Tensor, loss: Tensor) -> dict[str, float]:
         """Log the step's metrics, each an exact global mean: sums and counts are all-reduced, not means."""
         sums = train_metric_sums(rollout, entropy, loss)
         if self.pipeline is not None:  # staleness, the trainer's wait, the engine's idle time, the queue
-            sums.update({name: (torch.tensor(value), torch.tensor(1.0))
-                         for name, value in self.pipeline.metrics(self.global_step).items()})
-        sums.update({name: (torch.tensor(float(value)), torch.tensor(1.0))  # an engine's own: weight syncs, ...
-                     for name, value in getattr(self.engine, "metrics", dict)().items()})
-        stacked = torch.stack([torch.stack([s.float().to(self.device), n.float().to(self.device)])
-                               for s, n in sums.values()])
-        stacked = self.reduce_across_ranks(stacked, "sum")
-        metrics = dict(zip(sums, step_means(stacked)))
+            sums.update(single_values(self.pipeline.metrics(self.global_step)))
+        sums.update(single_values(getattr(self.engine, "metrics", dict)()))  # an engine's own: weight syncs, ...
+        metrics = global_means(sums, self.reduce_across_ranks, self.device)
         trainer = framework.module_trainer(self)  # None: a module driven by hand logs nothing
         log_step_metrics(trainer, metrics, self.global_step, prog_bar=("train/reward", "train/kl"))
         self.no_signal.update(metrics["train/zero_std_groups"], self.global_step)

@@ -17,14 +17,18 @@ from rloo_lightning.callbacks.predict import prediction_rows
 from rloo_lightning.config import check_options
 from rloo_lightning.engines import GenerationEngine
 from rloo_lightning.engines.decode import DecodeLoopEngine
+from rloo_lightning.forward import sequence_logprobs, worth_sharing
 from rloo_lightning.metrics import pass_at_k
 from rloo_lightning.models import sharding
-from rloo_lightning.models.policy import disable_dropout, export_pretrained, load_models, prepare_policy
+from rloo_lightning.models.policy import (
+    check_checkpoint_fits, disable_dropout, export_pretrained, load_models, prepare_policy,
+)
 from rloo_lightning.reference import ReferencePolicy
 from rloo_lightning.rewards.model import RewardModel
-from rloo_lightning.rollout import default_eos_ids, generation_configs
+from rloo_lightning.rollout import Rollout, default_eos_ids, generation_configs
 from rloo_lightning.runtime import framework
 from rloo_lightning.runtime.no_trainer import NO_TRAINER
+from rloo_lightning.update import warmup_constant_schedule
 
 __all__ = ["PolicyModule"]
 
@@ -138,9 +142,51 @@ class PolicyModule(LightningModule):
         # From the state dict, not named_parameters: a tied lm_head is a key of its own there.
         return {f"policy.{n}" for n, t in self.policy.state_dict(keep_vars=True).items() if not t.requires_grad}
 
+    def configure_optimizers(self):
+        # AdamW at the paper's 1e-6 and a linear warm-up then constant, unless --optimizer / --lr_scheduler say.
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-6) if self.optimizer_factory is None else self.optimizer_factory(
+            params)
+        if self.scheduler_factory is not None:
+            scheduler = self.scheduler_factory(optimizer)
+        else:
+            total = self.trainer.estimated_stepping_batches
+            scheduler = warmup_constant_schedule(optimizer, self.cfg.update.warmup_steps(total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # -- checkpoints: another model's refused; LoRA's frozen base is the model on disk, not in the checkpoint --
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        for key in self._frozen_base_keys():
+            checkpoint["state_dict"].pop(key, None)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # Another model's checkpoint: one line naming both, before any tensor (policy or reference) is loaded.
+        check_checkpoint_fits(checkpoint, self.state_dict(keep_vars=True), self.hparams.model_name_or_path,
+                              absent_ok=self._frozen_base_keys())
+        base = self._frozen_base_keys()  # configure_model has run: these are the base model's weights
+        if base:
+            current = self.state_dict()
+            for key in base - checkpoint["state_dict"].keys():
+                checkpoint["state_dict"][key] = current[key]
+
     def teardown(self, stage: str) -> None:
         if self.rewards is not None:
             self.rewards.close()
+
+    # -- the policy run on a rollout -----------------------------------------------------------
+    def logprobs(self, model: torch.nn.Module, rollout: Rollout, rows: slice = slice(None),
+                 with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Per-token log-probs ``[b, T]`` of ``rows`` under ``model`` at the sampling temperature (step 3)."""
+        return sequence_logprobs(model, rollout, rows, self.cfg.sampling.temperature, with_entropy,
+                                 share_prompt=self.shares_prompt(rollout))
+
+    def shares_prompt(self, rollout: Rollout) -> bool:
+        """``update.share_prompt`` for this rollout (``auto``: :func:`~rloo_lightning.forward.worth_sharing`)."""
+        option = self.cfg.update.share_prompt
+        if option != "auto":
+            return option == "always"
+        distinct = int(rollout.prompt_mask[::rollout.k].sum())
+        return worth_sharing(self._policy_params, rollout.k, distinct)
 
     # -- the trainer (or none) -----------------------------------------------------------------
     @property
@@ -170,6 +216,15 @@ class PolicyModule(LightningModule):
     def reduce_across_ranks(self, tensor: Tensor, op: str = "sum") -> Tensor:
         """``tensor`` reduced over all ranks (``sum``, ``min``, ``max``); itself on one process."""
         return tensor if self.world_size == 1 else self.run_by.strategy.reduce(tensor, reduce_op=op)
+
+    def gather_across_ranks(self, state) -> list:
+        """``state`` (any picklable object) of every rank, by global rank (a collective: every rank calls it at the
+        same point); ``[state]`` on one process."""
+        if self.world_size == 1 or not torch.distributed.is_initialized():
+            return [state]
+        states = [None] * self.world_size
+        torch.distributed.all_gather_object(states, state)
+        return states
 
     # -- the engine's copy of the weights, stale when a run starts -----------------------------
     def on_fit_start(self) -> None:

@@ -18,6 +18,7 @@ from rloo_lightning.rollout import Rollout
 from rloo_lightning.runtime import framework
 
 __all__ = ["NonFiniteError", "NonFiniteGuard", "GradientStash", "PolicyUpdate", "RolloutReuse", "micro_batches",
+           "warmup_constant_schedule",
            "loss_denominators"]
 
 
@@ -173,6 +174,18 @@ class RolloutReuse:
 
     def load_state_dict(self, state: dict) -> None:
         self.stored, self.updates = Rollout.from_state(state["fields"]), state["updates"]
+
+    def load_rank(self, entry: dict, rank: int, world_size: int) -> None:
+        """This rank's stored rollout from a checkpoint's ``rloo_rollout`` (every rank's, by global rank; earlier
+        checkpoints: rank 0's alone)."""
+        ranks = entry.get("ranks", [entry])
+        self.load_state_dict(ranks[rank] if len(ranks) == world_size else ranks[0])
+
+
+
+def warmup_constant_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int):
+    """Linear warm-up from ~0 to the base rate over ``warmup_steps``, then constant (the paper's schedule)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
 
 
 def loss_denominators(rollout: Rollout, reduce, world_size: int, norm_constant: float) -> dict:

@@ -1,6 +1,6 @@
 """Stale rollouts (``rollout.max_staleness`` K = 1) through the module's own pipeline, against the exact gradient.
 
-``rloo_lightning.verify.exactness.check_stale_training_step`` runs the pipeline from fit start on the real
+``rloo_lightning.verify.exactness_stale.check_stale_training_step`` runs the pipeline from fit start on the real
 ``training_step``: step 0, with the policy at ``theta_0`` (the toy's table), submits positions 0 and 1 through the
 engine's ``submit`` (a :class:`LiveTableSampler`: it samples from the weights it is given, and reports its
 log-probs); the policy then holds ``theta_1`` (``perturbed_table``) and step 1 trains on position 1's rollout,
@@ -20,16 +20,9 @@ import torch
 
 from rloo_lightning.engines.base import Submitted
 from rloo_lightning.verify.exactness import (
-    LiveTableSampler,
-    ToyPrompts,
-    check_stale_training_step,
-    exact_gradient,
-    make_toy,
-    perturbed_table,
-    stale_step_draws,
-    toy_module,
-    z_test,
+    LiveTableSampler, exact_gradient, make_toy, perturbed_table, toy_module, z_test,
 )
+from rloo_lightning.verify.exactness_stale import ToyPrompts, check_stale_training_step, stale_step_draws
 
 pytestmark = [pytest.mark.slow,  # statistical checks of a few hundred training steps each (5-10 s)
               pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")]
@@ -62,7 +55,7 @@ def uncorrected(toy, theta_1):
 @pytest.mark.parametrize("lag", [1, 2])
 def test_step_k_trains_on_the_rollout_sampled_at_step_0(toy, theta_1, lag):
     """The module's own metrics say so: staleness K, and a sampler mismatch that is the perturbation's (zero when
-    theta_1 is theta_0). The module is left as it was (no trainer, no pipeline)."""
+    theta_1 is theta_0). The module is left as it was (no trainer, nothing in its pipeline)."""
     for table, mismatched in [(toy.policy_table, False), (theta_1, True)]:
         module = toy_module(toy, {"rollout": {"max_staleness": lag}}, engine=LiveTableSampler(toy))
         draws = stale_step_draws(module, ToyPrompts(toy, 2), toy.policy_table, table, 2)
@@ -71,7 +64,7 @@ def test_step_k_trains_on_the_rollout_sampled_at_step_0(toy, theta_1, lag):
         assert stats["train/staleness"] == lag
         assert (stats["train/mismatch/kl_k3"] > 0.01) == mismatched, stats
         assert abs(stats["train/mismatch/seq_log_ratio"]) < (1.0 if mismatched else 1e-5), stats
-        assert module._trainer is None and module.pipeline is None
+        assert module._trainer is None and not module.pipeline.ahead
     assert module.cfg.correction.level == "token" and module.cfg.correction.cap == 2.0  # auto with K >= 1
 
 

@@ -9,7 +9,7 @@ from torchmetrics import MeanMetric
 from rloo_lightning.runtime import sigterm
 from rloo_lightning.callbacks.progress import EvaluationProgress
 
-__all__ = ["RolloutHook", "ValidateAtStart"]
+__all__ = ["RolloutHook", "ValidateAtStart", "call_rollout_hooks"]
 
 
 class RolloutHook(Callback):
@@ -30,6 +30,14 @@ class RolloutHook(Callback):
 
     def on_rollout_end(self, trainer: Trainer, pl_module: LightningModule, rollout) -> None:
         """Read ``rollout`` after the advantages (``rollout.advantages``) and the loss are computed."""
+
+
+def call_rollout_hooks(trainer, pl_module: LightningModule, hook: str, rollout) -> None:
+    """``on_rollout`` (may edit) or ``on_rollout_end`` (read-only) on each :class:`RolloutHook` of ``trainer``'s
+    callbacks, in their order."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, RolloutHook):
+            getattr(callback, hook)(trainer, pl_module, rollout)
 
 
 class ValidateAtStart(Callback):

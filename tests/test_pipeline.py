@@ -2,7 +2,7 @@
 g - K, with the prompts the loader hands to step g; seeded as K = 0 seeds them; corrected by default; held in
 checkpoints so that a resume ends where the uninterrupted run does; a lag change and a data module that cannot
 give a later batch are refused. In-process fits of the tiny model (the CLI and SIGTERM runs are in
-``test_async_rollouts_runs.py``)."""
+``test_pipeline_runs.py``)."""
 
 from __future__ import annotations
 
@@ -112,14 +112,14 @@ def test_batch_at_is_the_batch_the_loader_yields_at_that_position(replicas, repe
             assert sampler.batch_at(position) == first, (rank, position)
 
 
-@pytest.mark.parametrize("lag,accumulate,repeat,version,due", [
+@pytest.mark.parametrize("lag,accumulate,repeat,step,due", [
     (1, 1, 1, 0, [0, 1]), (1, 1, 1, 5, [5, 6]), (2, 1, 1, 3, [3, 4, 5]),
     (1, 2, 1, 2, [4, 5, 6, 7]),  # two batches a step: both of steps 2 and 3
     (1, 1, 2, 2, [2]), (1, 1, 2, 3, [4]),  # a fresh rollout every second batch (the loader repeats each twice)
 ])
-def test_the_rollouts_due_at_a_step(lag, accumulate, repeat, version, due):
-    pipeline = RolloutPipeline(lag, accumulate, repeat, submit=None, collect=None)
-    assert pipeline.due(version) == due
+def test_the_rollouts_due_at_a_step(lag, accumulate, repeat, step, due):
+    pipeline = RolloutPipeline(lag, repeat, accumulate=accumulate)
+    assert pipeline.due(step) == due
 
 
 # -- through a fit ----------------------------------------------------------------------------------
@@ -247,3 +247,44 @@ def test_an_engine_without_log_probs_is_refused_with_a_lag_unless_the_correction
     _fit(tiny_model_dir, tmp_path / "b", 2, 1, engine=DecodeLoopEngine(), callbacks=[metrics],
          correction={"level": "none"})
     assert [metrics.seen[g]["train/staleness"] for g in range(2)] == [0, 1]
+
+
+class InFlight(Callback):
+    """At each step's end (callbacks' on_train_batch_end runs before the module's): what is still in flight."""
+
+    def __init__(self) -> None:
+        self.pending: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.pending.append(sum(entry.pending is not None for entry in pl_module.pipeline.ahead.values()))
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_nothing_is_in_flight_between_steps_with_or_without_checkpoint_callbacks(tiny_model_dir, tmp_path,
+                                                                                  checkpointing):
+    # The drain at a step's end is the module's own (its optimizer step), not a side effect of a checkpoint callback
+    # building the module's checkpoint entries.
+    module = RLOOModule(tiny_model_dir, rewards={"funcs": [REWARD]}, sampling={"k": 2, "max_new_tokens": 6},
+                        rollout={"max_staleness": 2})
+    data = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, task="reverse", batch_size=4, num_train_rows=16,
+                            num_val_rows=4, max_new_tokens=6)
+    seen = InFlight()
+    trainer = Trainer(accelerator="cpu", max_steps=3, limit_val_batches=0, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[seen],
+                      enable_checkpointing=checkpointing)
+    trainer.fit(module, datamodule=data)
+    assert seen.pending == [0, 0, 0]
+    assert len(module.pipeline.ahead) == 2  # the two rollouts ahead of the last step, finished
+
+
+def test_an_accumulation_schedule_is_refused_at_setup_naming_the_callback(tiny_model_dir, tmp_path):
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+    module = RLOOModule(tiny_model_dir, rewards={"funcs": [REWARD]}, rollout={"max_staleness": 1})
+    data = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, task="reverse", batch_size=4, num_train_rows=8,
+                            num_val_rows=4)
+    trainer = Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
+                      default_root_dir=str(tmp_path), limit_val_batches=0,
+                      callbacks=[GradientAccumulationScheduler({0: 1, 1: 2})])
+    with pytest.raises(ValueError, match=r"rollout.max_staleness=1 .* GradientAccumulationScheduler changes it"):
+        trainer.fit(module, datamodule=data)
+    assert module.policy is None  # refused at setup, before the model loaded
