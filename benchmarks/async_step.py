@@ -72,8 +72,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks.bench import _child, _median, _r
-from rloo_lightning.engines.vllm import _environment  # these variables set for the children, restored after
-from rloo_lightning.engines.vllm_server_side import KEY_ENV  # what rloo-lightning serve and the engine read
+from rloo_lightning.engines.vllm_common import API_KEY_ENV, scoped_environ
 from benchmarks.bench_common import (
     QUICKSTART, child_env, local_model_dir, read_spec, record_json, run_child_verb, set_threads, write_result)
 
@@ -101,7 +100,7 @@ def run_fit(spec_path: str, out_path: str) -> None:
     work = Path(spec["workdir"])
     steps_file, engine_file = work / "steps.json", work / "engine.json"
     server = spec.get("engine", "colocated") == "server"
-    if server:  # the server's key comes from the parent's environment (KEY_ENV, api_key_env's default)
+    if server:  # the server's key comes from the parent's environment (API_KEY_ENV, api_key_env's default)
         engine_args = ["--model.generation_engine", ENGINES["server"],
                        "--model.generation_engine.urls", f"[{spec['server_url']}]"]
         if spec["dtype"] != "float32":  # the canary's default tolerance (1e-3) is for a float32 server
@@ -235,7 +234,7 @@ def _columns(steps: list[dict]) -> dict[str, list]:
 def _omp_wait_policy(policy: str | None) -> contextlib.AbstractContextManager[None]:
     """``OMP_WAIT_POLICY`` set for the children started inside (the engine's child, or the server, inherits it);
     nothing changed when None."""
-    return _environment({"OMP_WAIT_POLICY": policy.upper()} if policy is not None else {})
+    return scoped_environ({"OMP_WAIT_POLICY": policy.upper()} if policy is not None else {})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -377,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
                 "num_train_rows": max(64, args.batch_size * (total + max(args.lags))), "total_steps": total,
                 "seed": args.seed, "dtype": args.dtype,
                 "lr": args.lr or quickstart["optimizer"]["init_args"]["lr"]}
-        key = os.environ.get(KEY_ENV) or secrets.token_hex(16)  # the server's and its trainers'
+        key = os.environ.get(API_KEY_ENV) or secrets.token_hex(16)  # the server's and its trainers'
         for trainer_threads, engine_threads in args.splits:
             split = f"{trainer_threads}:{engine_threads}"
             for engine in args.engines:
@@ -385,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
                     stack.enter_context(_omp_wait_policy(args.omp_wait_policy))
                     server = None
                     if engine == "server":
-                        stack.enter_context(_environment({KEY_ENV: key}))
+                        stack.enter_context(scoped_environ({API_KEY_ENV: key}))
                         print(f"[async_step] split {split}: starting a vLLM server ({engine_threads} threads)",
                               file=sys.stderr)
                         try:

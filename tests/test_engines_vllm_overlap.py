@@ -16,7 +16,8 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from transformers import GenerationConfig
 
-from rloo_lightning.engines.vllm import VLLMEngine, _Worker, vllm_available
+from rloo_lightning.engines.vllm import VLLMEngine, vllm_available
+from rloo_lightning.engines.vllm_process import ChildProcess
 from vllm_helpers import tiny_head32_llama, vllm_test
 
 TEXTS = ["1+2=", "33+4=", "abc", "j=", "999+1=", "a+b=", "hello", "0"]
@@ -33,7 +34,7 @@ def test_stall_timeout_must_be_positive():
 # -- the protocol, on the child without vLLM ---------------------------------------------------------
 @pytest.fixture
 def worker():
-    w = _Worker(torch.device("cpu"), 1, timeout=60, stall_timeout=1.5)
+    w = ChildProcess(torch.device("cpu"), 1, timeout=60, stall_timeout=1.5)
     yield w
     if w.process.is_alive():  # a test may leave it stopped
         os.kill(w.process.pid, signal.SIGCONT)
@@ -114,7 +115,7 @@ def _same(a, b) -> bool:
 
 
 def _answered(engine, handle) -> bool:
-    return engine._worker.answered(handle.key[0])
+    return engine._worker.answered(handle.key.request_id)
 
 
 @vllm_test
@@ -192,7 +193,7 @@ def test_a_stop_cuts_a_synchronous_generate_and_never_a_submitted_one(tiny, engi
     ref = engine.generate(model, tok, ids, mask, _config(), seed=9)
 
     # several ranks: a stop tells the generation to end its rows (check returns True)
-    monkeypatch.setattr("rloo_lightning.engines.vllm.sigterm.check", lambda where="": True)
+    monkeypatch.setattr("rloo_lightning.engines.vllm_process.sigterm.check", lambda where="": True)
     pending = engine.submit(model, tok, ids, mask, _config(), seed=9)
     cut, _ = engine.generate(model, tok, ids, mask, _config(), seed=9)  # sent behind it, the stop set meanwhile
     assert cut.shape[1] < LONG_TOKENS
@@ -211,7 +212,7 @@ def test_a_stop_cuts_a_synchronous_generate_and_never_a_submitted_one(tiny, engi
     def raise_stop(where=""):
         raise SIGTERMException(where)
 
-    monkeypatch.setattr("rloo_lightning.engines.vllm.sigterm.check", raise_stop)
+    monkeypatch.setattr("rloo_lightning.engines.vllm_process.sigterm.check", raise_stop)
     pending = engine.submit(model, tok, ids, mask, _config(), seed=9)
     with pytest.raises(SIGTERMException):
         engine.generate(model, tok, ids, mask, _config(), seed=3)

@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from rloo_lightning.engines import vllm_server as vs
+from rloo_lightning.engines import vllm_common, vllm_sync
+from rloo_lightning.engines.vllm_http import ServerClient, ServerRefused
 from rloo_lightning.engines.vllm_server import VLLMServerEngine
 from rloo_lightning.forward import completion_logits
 from rloo_lightning.models.loading import load_tokenizer
@@ -96,7 +97,7 @@ def test_logprobs_equal_a_transformers_forward_after_three_syncs(vllm_server, se
     after, keep = _sampled_logprobs(model, ids, mask, first, tok.eos_token_id)
     assert float(((after - before).abs() * keep).max()) > 1e-2  # the syncs carried a real change
     assert all(m["train/weight_sync_mb"] > 0.1 and m["train/weight_sync_s"] > 0 for m in synced), synced
-    assert engine.version == 4  # the first generate's sync, then one per update
+    assert engine.sync_count == 4  # the first generate's sync, then one per update
     engine.close()
 
 
@@ -108,11 +109,11 @@ def test_a_sync_that_leaves_the_server_behind_is_caught(vllm_server, server_mode
     engine = VLLMServerEngine(urls=[vllm_server.url], connect_timeout=60)
     engine.prepare(model, tok, config)
     engine.generate(model, tok, ids, mask, config, seed=1)
-    old = {name: t.clone() for name, t in vs._named_weights(model)}
-    monkeypatch.setattr(vs, "_named_weights", lambda m: iter(old.items()))  # a sync that sends the old weights
+    old = {name: t.clone() for name, t in vllm_common.named_weights(model)}
+    monkeypatch.setattr(vllm_sync, "named_weights", lambda m: iter(old.items()))  # a sync that sends the old weights
     _train(model, ids, mask, lr=0.5)
     engine.on_weights_updated(model)
-    with pytest.raises(RuntimeError, match=rf"after weight version \w+:2, {vllm_server.url} gives canary log-probs "
+    with pytest.raises(RuntimeError, match=rf"after weight sync \w+:2, {vllm_server.url} gives canary log-probs "
                                            r"up to .* from the trainer's \(canary_tolerance=0.001\)"):
         engine.generate(model, tok, ids, mask, config, seed=2)
     engine.close()
@@ -123,14 +124,14 @@ def test_a_load_that_takes_nothing_is_caught(vllm_server, server_model_dir, monk
     model, tok = _policy(server_model_dir)
     engine = VLLMServerEngine(urls=[vllm_server.url], connect_timeout=60)
     engine.prepare(model, tok, _config(tok))
-    real = vs._Server.rpc
+    real = ServerClient.rpc
 
     def loads_nothing(server, method, *args, **kwargs):  # vLLM's NCCL update without CUDA: "success", no change
         if method == "rloo_load":
             return {"version": args[1], "tensors": 0, "bytes": 0, "seconds": 0.0}
         return real(server, method, *args, **kwargs)
 
-    monkeypatch.setattr(vs._Server, "rpc", loads_nothing)
+    monkeypatch.setattr(ServerClient, "rpc", loads_nothing)
     ids, mask = _prompts(tok, length=40)
     with pytest.raises(RuntimeError, match=rf"{vllm_server.url} loaded .*'tensors': 0.* not the \d+ tensors"):
         engine.generate(model, tok, ids, mask, _config(tok), seed=1)
@@ -161,10 +162,10 @@ def test_connect_checks_name_what_differs(vllm_server, monkeypatch):
                                          r"vocab_size: server 13, policy \d+; hidden_size: server 64, policy 128"):
         engine.prepare(other, tok, _config(tok))
     def plain_vllm(server, method, *args, **kwargs):  # `vllm serve` without dev mode: no /collective_rpc
-        raise vs._Refused(404, '{"detail":"Not Found"}')
+        raise ServerRefused(404, '{"detail":"Not Found"}')
 
     with monkeypatch.context() as m:
-        m.setattr(vs._Server, "rpc", plain_vllm)
+        m.setattr(ServerClient, "rpc", plain_vllm)
         model, tok13 = _policy(vllm_server.model_dir)
         with pytest.raises(RuntimeError, match=rf"{vllm_server.url} has no weight sync \(HTTP 404.*start it with "
                                                "`rloo-lightning serve`"):
@@ -199,17 +200,17 @@ def test_a_server_slower_than_the_timeout_is_aborted_retried_then_named(vllm_ser
     # A retry after a timeout gives the sample the first attempt would have: the server holds every request (paused)
     # until the first timeout's abort has gone out, then serves the retry.
     vllm_server.post("/pause?mode=keep")
-    real_abort = vs._abort
+    real_abort = ServerClient.abort
 
     def abort_then_resume(server, request_id):
         real_abort(server, request_id)
         vllm_server.post("/resume")
 
-    monkeypatch.setattr(vs, "_abort", abort_then_resume)
+    monkeypatch.setattr(ServerClient, "abort", abort_then_resume)
     again = engine.generate(model, tok, ids, mask, config, seed=5)
     assert torch.equal(again[0], expected[0]) and torch.equal(again[1], expected[1])
     assert engine.metrics()["train/server_retries"] >= 1
-    monkeypatch.setattr(vs, "_abort", real_abort)
+    monkeypatch.setattr(ServerClient, "abort", real_abort)
     # Slower than every attempt: the run ends with one line naming the server, within the bound, and nothing the
     # timed-out requests asked for runs once the server goes on.
     tokens = vllm_server.prompt_tokens()
@@ -253,7 +254,7 @@ def test_a_server_killed_while_generating_is_resynced_after_its_restart(server_m
         assert engine.metrics()["train/server_retries"] >= 1
 
         # Killed when the load is sent, restarted: the sync retries into the new server and verifies it.
-        real = vs._Server.rpc
+        real = ServerClient.rpc
         restarted = []
 
         def killed_at_load(srv, method, *args, **kwargs):
@@ -262,7 +263,7 @@ def test_a_server_killed_while_generating_is_resynced_after_its_restart(server_m
                 restarted.append(start_server(server_model_dir, tmp_path, port=server.port, name="b2", wait=False))
             return real(srv, method, *args, **kwargs)
 
-        monkeypatch.setattr(vs._Server, "rpc", killed_at_load)
+        monkeypatch.setattr(ServerClient, "rpc", killed_at_load)
         _train(model, ids, mask, seed=1)
         engine.on_weights_updated(model)
         completion, logp = engine.generate(model, tok, ids, mask, config, seed=4)
@@ -272,7 +273,7 @@ def test_a_server_killed_while_generating_is_resynced_after_its_restart(server_m
 
         # Killed when the load is sent, not restarted: one line naming it, within reconnect_timeout.
         engine.reconnect_timeout = 3
-        monkeypatch.setattr(vs._Server, "rpc", lambda srv, method, *a, **k: (
+        monkeypatch.setattr(ServerClient, "rpc", lambda srv, method, *a, **k: (
             server.kill() if method == "rloo_load" else None, real(srv, method, *a, **k))[1])
         _train(model, ids, mask, seed=2)
         engine.on_weights_updated(model)
@@ -325,9 +326,7 @@ def test_a_lora_policy_syncs_merged_weights_and_an_unmerged_sync_is_caught(vllm_
     assert float(((ref - logp[:, : ref.shape[1]]).abs() * keep).max()) < 1e-3
     _train(model, ids, mask, lr=0.5, seed=1)
     engine.on_weights_updated(model)
-    import rloo_lightning.engines.vllm as colocated
-
-    monkeypatch.setattr(colocated, "_lora_deltas", lambda m: {})  # the base weights alone: the adapters left out
+    monkeypatch.setattr(vllm_common, "lora_deltas", lambda m: {})  # the base weights alone: the adapters left out
     with pytest.raises(RuntimeError, match="canary log-probs up to"):
         engine.generate(model, tok, ids, mask, config, seed=3)
     engine.close()

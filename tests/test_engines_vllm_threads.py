@@ -49,7 +49,7 @@ class _FakeWorker:
 
 @pytest.mark.parametrize("threads", [None, 1, 3])
 def test_the_child_is_started_with_the_engines_threads_or_the_trainers(monkeypatch, threads):
-    monkeypatch.setattr(vllm_engine, "_Worker", _FakeWorker)
+    monkeypatch.setattr(vllm_engine, "ChildProcess", _FakeWorker)
     _FakeWorker.started = []
     tok = build_char_tokenizer("abc", model_max_length=64)
     model = build_tiny_llama(tok, hidden_size=64, num_heads=2, max_position_embeddings=64, seed=0)
@@ -65,7 +65,7 @@ def test_the_child_is_started_with_the_engines_threads_or_the_trainers(monkeypat
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads the child's /proc/<pid>/environ")
 def test_the_child_process_gets_that_many_openmp_threads():
     """The real child (no vLLM engine built): its environment says OMP_NUM_THREADS, which torch reads at import."""
-    worker = vllm_engine._Worker(torch.device("cpu"), 2, timeout=120.0)
+    worker = vllm_engine.ChildProcess(torch.device("cpu"), 2, timeout=120.0)
     proc = Path(f"/proc/{worker.process.pid}")
     try:
         # spawn returns before the child's exec: until then /proc shows this process's own environment

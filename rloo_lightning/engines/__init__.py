@@ -6,8 +6,11 @@
 - :class:`HFGenerateEngine` (``hf_generate.py``): the policy's own ``generate`` (every sampling option transformers
   has; pi_theta).
 - :class:`ReducedPrecisionEngine` (``reduced_precision.py``): a bf16 / fp16 / int8 copy of the policy (pi_s).
-- ``VLLMEngine`` (``vllm.py``, its child process in ``vllm_child.py``): vLLM, colocated. Not re-exported here:
-  ``rloo_lightning.engines.vllm.VLLMEngine`` is its path, and importing this package never imports vLLM.
+- ``VLLMEngine`` (``vllm.py``; its child process in ``vllm_process.py``, the trainer's side, and ``vllm_child.py``, the
+  child's): vLLM, colocated. ``VLLMServerEngine`` (``vllm_server.py``; its HTTP client ``vllm_http.py``, its sync's
+  pieces ``vllm_sync.py``, what the server loads ``vllm_server_side.py``): vLLM servers. What both share is
+  ``vllm_common.py``. Not re-exported here: their modules are their paths, and importing this package never imports
+  vLLM.
 """
 
 from rloo_lightning.engines.base import GenerationEngine, Submitted, build_engine, engine_class, engine_spec

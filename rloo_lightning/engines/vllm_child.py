@@ -1,13 +1,14 @@
 """The child process of :class:`~rloo_lightning.engines.vllm.VLLMEngine`: everything that runs in it.
 
-:func:`_serve` is the target the trainer spawns (``spawn`` imports it by this module's path in the child): it builds
-vLLM's engine, then answers ``build`` / ``push`` / ``generate`` / ``stats`` requests until ``close``, one at a time
-in the order they came (a thread reads the pipe meanwhile, so that the trainer's sends never wait for a generation);
-each request carries an id, and its answer that id and the child's own seconds on it. While it works the child sends
-heartbeats (``("beat", id)``: at each request's start and, while it generates, every ``heartbeat_s``), so the
-trainer tells a slow child from a stuck one. :func:`_generate` steps the engine so that a stop signal can end every
-row at once (for the requests sent as stoppable); :class:`_HarmlessVLLMRecords` drops two vLLM warnings that read
-like failures. vLLM is imported only inside these functions, in the child: the trainer's process never imports it.
+:func:`serve_requests` is the target the trainer spawns (``spawn`` imports it by this module's path in the child):
+it builds vLLM's engine, then answers ``build`` / ``push`` / ``generate`` / ``stats`` requests until ``close``, one at
+a time in the order they came (a thread reads the pipe meanwhile, so that the trainer's sends never wait for a
+generation); each request carries an id, and its answer that id and the child's own seconds on it. While it works
+the child sends heartbeats (``("beat", id)``: at each request's start and, while it generates, every
+``heartbeat_s``), so the trainer tells a slow child from a stuck one. :func:`_generate` steps the engine so that a
+stop signal can end every row at once (for the requests sent as stoppable); :class:`_HarmlessVLLMRecords` drops two
+vLLM warnings that read like failures. vLLM is imported only inside these functions, in the child: the trainer's
+process never imports it.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class _Heartbeat:
             self.last = now
 
 
-def _serve(conn, stop_event, heartbeat_s: float = 2.0) -> None:
+def serve_requests(conn, stop_event, heartbeat_s: float = 2.0) -> None:
     """The child: answer ``(verb, id, args, stoppable)`` requests in order until ``close`` (or the pipe closes).
 
     Answers are ``("answer", id, status, value, seconds)``: status ``ok``, ``refused`` (value: the reason) or

