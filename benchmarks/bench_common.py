@@ -211,3 +211,67 @@ def rollout_parser(description: str, reps: int):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     return parser
+
+
+def stand_in_problems(real, fn) -> list[str]:
+    """How a call that ``real`` accepts could fail on ``fn``, or ``[]``: every parameter of ``real`` taken by ``fn``
+    the same way (at the same position under the same name, or by keyword; a default where ``real`` has one, or
+    ``*args`` / ``**kwargs`` to take it), and no parameter that ``fn`` requires unknown to ``real``."""
+    import inspect
+
+    P = inspect.Parameter
+    theirs, ours = inspect.signature(fn).parameters.values(), inspect.signature(real).parameters.values()
+    positional = [q for q in theirs if q.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    by_name = {q.name: q for q in theirs if q.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)}
+    var_pos = any(q.kind == P.VAR_POSITIONAL for q in theirs)
+    var_kw = any(q.kind == P.VAR_KEYWORD for q in theirs)
+    problems, taken, position = [], set(), 0
+    for p in ours:
+        if p.kind in (P.VAR_POSITIONAL, P.VAR_KEYWORD):
+            if not (var_pos if p.kind == P.VAR_POSITIONAL else var_kw):
+                problems.append(f"takes no {'*' if p.kind == P.VAR_POSITIONAL else '**'}{p.name}")
+            continue
+        q = None
+        if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD):
+            if position < len(positional):
+                q = positional[position]
+                if p.kind == P.POSITIONAL_OR_KEYWORD and q.name != p.name:
+                    problems.append(f"has {q.name!r} where {p.name!r} is (argument {position + 1})")
+            elif not var_pos:
+                problems.append(f"takes no argument {position + 1} ({p.name!r})")
+            position += 1
+        if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY):
+            q = q or by_name.get(p.name)
+            if q is None and not var_kw:
+                problems.append(f"takes no keyword {p.name!r}")
+        if q is not None:
+            taken.add(q.name)
+            if p.default is not P.empty and q.default is P.empty:
+                problems.append(f"requires {q.name!r}, which has a default in the real method")
+    problems += [f"requires {q.name!r}, which the real method does not have" for q in theirs
+                 if q.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD) and q.default is P.empty and q.name not in taken]
+    return problems
+
+
+def stand_in(owner, name: str, fn, monkeypatch=None):
+    """Puts ``fn`` in place of the method ``name`` of ``owner`` (an object: for it alone, the method bound; a class:
+    for all its instances, ``self`` first) and returns it, after checking that the method exists (a renamed or
+    removed one would leave the stand-in an attribute nothing calls) and that ``fn`` accepts every call the real
+    method does (:func:`stand_in_problems`): a study's or a test's stand-in fails here, loudly, when the method's
+    signature changes, instead of in a run nothing checks. With ``monkeypatch`` (pytest's), set through it."""
+    import inspect
+
+    cls = owner if inspect.isclass(owner) else type(owner)
+    real = inspect.getattr_static(cls, name, None)  # the class's own: not an earlier stand-in on the object
+    if real is None or not callable(getattr(cls, name)):
+        raise AttributeError(f"stand-in for {cls.__qualname__}.{name}: {cls.__qualname__} has no method {name!r}")
+    real = getattr(cls, name) if inspect.isclass(owner) else getattr(cls, name).__get__(owner, cls)
+    problems = stand_in_problems(real, fn)
+    if problems:
+        raise TypeError(f"stand-in for {cls.__qualname__}.{name}{inspect.signature(real)}: "
+                        f"{getattr(fn, '__qualname__', fn)}{inspect.signature(fn)} " + "; ".join(problems))
+    if monkeypatch is not None:
+        monkeypatch.setattr(owner, name, fn)
+    else:
+        setattr(owner, name, fn)
+    return fn

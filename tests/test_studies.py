@@ -20,7 +20,16 @@ from study_helpers import REPO, InProcess, load_script
 pytestmark = pytest.mark.slow
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
-needs_trl = pytest.mark.skipif(not HAS_TRL, reason='TRL is not installed (pip install -e ".[bench]")')
+_no_trl = pytest.mark.skipif(not HAS_TRL, reason='TRL is not installed (pip install -e ".[bench]")')
+
+
+def needs_trl(test):
+    """A test of TRL's side only: skipped without TRL, run by scripts/bench_env.sh (the `trl` mark)."""
+    return pytest.mark.trl(_no_trl(test))
+
+
+# a test whose TRL side runs where TRL is installed: here without it, in scripts/bench_env.sh's environment with it
+uses_trl = pytest.mark.trl
 # a fit of the quickstart's tiny model at its smallest: 2 steps, one validation batch
 TINY_FIT = ["--trainer.max_steps", "2", "--trainer.limit_val_batches", "1"]
 
@@ -162,6 +171,7 @@ def test_multiturn_learning(tmp_path, monkeypatch):
     assert {"start", "final", "steps", "policy_tokens", "wall_s"} <= set(run) and run["steps"] == 2
 
 
+@uses_trl
 def test_learning_parity(tmp_path, monkeypatch, smol_dir):
     """Ours (and TRL, where installed) for 2 steps on the stand-in model, scored on 4 held-out prompts; then the
     record's tables and its summary recomputed."""
@@ -199,6 +209,7 @@ def test_rollout_stats(tmp_path, monkeypatch, smol_dir):
     _record(tmp_path / "r.json", "compare", "per_batch")
 
 
+@uses_trl
 def test_sampler_checks(tmp_path, monkeypatch, smol_dir):
     script = "experiments/sampler_checks/sampler_compare.py"
     _run(script, [smol_dir, "1", "--rows", "2", "--max-new-tokens", "4", "--threads", "1", "--out",
@@ -243,6 +254,7 @@ def test_one_entry_point_lists_and_runs_every_benchmark(tmp_path, capsys):
         main.main(["nope"])
 
 
+@uses_trl
 def test_bench(tmp_path):
     """The step benchmark: each system in a process of its own (its peak memory is the measurement)."""
     load_script("benchmarks/bench.py").main(

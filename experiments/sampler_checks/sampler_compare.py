@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import torch
 
+    from benchmarks.bench_common import stand_in
     from rloo_lightning import RLOOModule
     from rloo_lightning.data import PromptDataModule
     from rloo_lightning.engines.decode import DecodeLoopEngine
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
                         sampling={"k": 16, "max_new_tokens": args.max_new_tokens, "temperature": 0.7},
                         kl={"beta": 0.05})
     module.configure_model()
-    module.log = lambda *a, **k: None
+    stand_in(module, "log", lambda *a, **k: None)
     data = PromptDataModule(tokenizer_name_or_path=hf_dir, task="arithmetic", batch_size=args.rows,
                             num_train_rows=2000, num_val_rows=32, max_new_tokens=args.max_new_tokens)
     data.setup("fit")

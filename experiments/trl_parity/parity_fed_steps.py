@@ -79,8 +79,13 @@ def _fed_callback():
         """Replaces the module's sampler by the stored rollouts; records the weights after each step."""
 
         def on_train_start(self, trainer, pl_module):
-            pl_module.sample = lambda batch, k, seed, greedy=False: copy.deepcopy(
-                STATE["rollouts"][pl_module.global_step])
+            from benchmarks.bench_common import stand_in
+
+            def sample(batch, k, seed, greedy=False, in_step=False):  # RLOOModule.sample's, checked by stand_in
+                STATE["fed"].append(pl_module.global_step)
+                return copy.deepcopy(STATE["rollouts"][pl_module.global_step])
+
+            stand_in(pl_module, "sample", sample)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             _save_step(pl_module.policy, STATE["work"] / f"ours_step{pl_module.global_step}.pt")
@@ -113,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import TrainerCallback
     from trl import RLOOTrainer
 
-    from benchmarks.bench_common import emit_json
+    from benchmarks.bench_common import emit_json, stand_in
     from benchmarks.bench_trl import trl_dataset, trl_reward
     from rloo_lightning.cli import main as cli_main
 
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
             rollouts.append(rollout)
     work = Path(tempfile.mkdtemp())
     STATE.update(rollouts=rollouts, init={n: p.detach().clone() for n, p in sampler.policy.named_parameters()},
-                 ours_log=[], trl=[], trl_log=[], work=work)
+                 ours_log=[], trl=[], trl_log=[], work=work, fed=[])
     tokenizer = sampler.tokenizer
     del sampler
 
@@ -139,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
               "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
               "--seed_everything", str(args.seed), "--data.seed", str(args.seed),
               "--trainer.default_root_dir", str(work), "--trainer.callbacks+=parity_fed_steps.FedRollouts"])
+    if STATE["fed"] != list(range(args.steps)):  # the step took its rollout elsewhere than from `sample`
+        raise SystemExit(f"ours' steps did not train on the stored rollouts: sample fed steps {STATE['fed']}")
 
     # -- TRL: its trainer and loop, generation and task rewards replaced --------------------------------------
     spec = dict(h, hf_dir=args.hf_dir, seed=args.seed, steps=args.steps)
@@ -163,8 +170,9 @@ def main(argv: list[str] | None = None) -> None:
 
     trainer = RLOOTrainer(model=args.hf_dir, reward_funcs=trl_reward(spec), args=trl_config(spec, work / "trl"),
                           train_dataset=trl_dataset(spec, tokenizer), processing_class=tokenizer, callbacks=[Record()])
-    trainer._generate = generate
-    trainer._calculate_rewards = lambda inputs, prompts, completions, ids: current["rewards"][:, None]
+    stand_in(trainer, "_generate", generate)  # TRL 1.16's signatures, checked
+    stand_in(trainer, "_calculate_rewards",
+             lambda inputs, prompts, completions, completion_ids_list: current["rewards"][:, None])
     trainer.train()
 
     steps = [{"step": i + 1, **cmp, "ours": STATE["ours_log"][i], "trl": STATE["trl_log"][i]}

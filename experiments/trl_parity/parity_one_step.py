@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     _hyper, trl_config = lp._hyper, lp.trl_config
     from trl import RLOOTrainer
 
+    from benchmarks.bench_common import stand_in
     from benchmarks.bench_trl import trl_reward
     from rloo_lightning import RLOOModule
     from rloo_lightning.data import PromptDataModule
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
                       sampling={"k": h["k"], "max_new_tokens": h["max_new_tokens"], "temperature": h["temperature"]},
                       kl={"beta": h["beta"]})
     ours.configure_model()
-    ours.log = lambda *a, **k: None
+    stand_in(ours, "log", lambda *a, **k: None)
     data = PromptDataModule(tokenizer_name_or_path=args.hf_dir, task=h["task"], batch_size=h["prompts"],
                             num_train_rows=h["num_train_rows"], num_val_rows=32, max_new_tokens=h["max_new_tokens"],
                             seed=args.seed)

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import TrainerCallback
     from trl import RLOOTrainer
 
-    from benchmarks.bench_common import emit_json, reward_fn
+    from benchmarks.bench_common import emit_json, reward_fn, stand_in
     from benchmarks.bench_trl import trl_dataset, trl_reward
     from rloo_lightning.cli import main as cli_main
     from rloo_lightning.engines.decode import DecodeLoopEngine
@@ -181,8 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     trainer = RLOOTrainer(model=hf_dir, reward_funcs=trl_reward(spec), args=trl_config(spec, work / "trl"),
                           train_dataset=trl_dataset(spec, tokenizer), processing_class=tokenizer, callbacks=[Record()])
-    trainer._generate = generate
-    trainer._calculate_rewards = lambda inputs, prompts, completions, ids: current["rewards"][:, None]
+    stand_in(trainer, "_generate", generate)  # TRL 1.16's signatures, checked
+    stand_in(trainer, "_calculate_rewards",
+             lambda inputs, prompts, completions, completion_ids_list: current["rewards"][:, None])
     current["trainer"] = trainer
     trainer.train()
     trl_s = time.perf_counter() - t0

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from benchmarks.bench_common import emit_json
+from benchmarks.bench_common import emit_json, stand_in
 
 
 PROMPTS = ("ab", "ba", "aab")
@@ -110,11 +110,11 @@ def main() -> None:
                                       "eos_token_ids": [EOS]},
                             kl={"beta": 0.0}, correction=correction, validation={"at_start": False})
         module.attach(model, tok)
-        module.log = lambda *a, **kw: None
+        stand_in(module, "log", lambda *a, **kw: None)
         draws = []
         for i in range(args.draws):
             # Without a trainer global_step stays 0: each draw gets a seed of its own, as each step of a run does.
-            module.sampling_seed = lambda stream, step, _i=i: derive_seed(0, stream, _i)
+            stand_in(module, "sampling_seed", lambda stream, step, _i=i: derive_seed(0, stream, _i))
             loss = module.training_step(batch, i)
             model.zero_grad()
             loss.backward()

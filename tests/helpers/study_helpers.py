@@ -22,7 +22,7 @@ import sys
 import warnings
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # tests/helpers/ -> the root
 
 __all__ = ["REPO", "load_script", "InProcess"]
 
