@@ -164,7 +164,7 @@ class RLOOModule(PolicyModule):
 
     def configure_callbacks(self):
         # A resumable last.ckpt of the final step whatever the validation cadence (never replaces a ModelCheckpoint).
-        callbacks = [FinalCheckpoint(every_n_steps=self.cfg.run.checkpoint_every_n_steps),
+        callbacks = [FinalCheckpoint(self.cfg.run.checkpoint_every_n_steps, self.cfg.run.checkpoint_every_minutes),
                      PredictionWriter(self.cfg.predict.output_file)]
         callbacks += [ValidateAtStart()] if self.cfg.validation.at_start else []
         # CPU threads, and where the run is for a stop signal: last, its hooks run after the others' (but Lightning's
@@ -370,6 +370,10 @@ class RLOOModule(PolicyModule):
         self.grad_stash.inject(self.policy)  # the earlier micro-batches' gradients join the last one's
 
     def on_before_optimizer_step(self, optimizer) -> None:
+        # The step's end: nothing in flight between steps (a checkpoint holds whole rollouts ahead; pipeline.py).
+        # Before the update, so that an engine that fails here leaves the weights of the step before.
+        if self.pipeline is not None:
+            self.pipeline.drain()
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
         if grads and not self.guard.finite(self.reduce_across_ranks, *grads):
             self._on_nonfinite("gradient")
@@ -383,11 +387,6 @@ class RLOOModule(PolicyModule):
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         if self.ref is not None:
             self.ref.sync(self.policy, self.global_step, self.device)  # kl.ref_sync_steps: TR-DPO (reference.py)
-
-    def optimizer_step(self, *args, **kwargs) -> None:
-        super().optimizer_step(*args, **kwargs)
-        if self.pipeline is not None:  # the step's end: nothing in flight between steps (a checkpoint holds whole
-            self.pipeline.drain()      # rollouts ahead; pipeline.py)
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         if ended_optimizer_step(self.run_by, batch_idx):  # an optimizer step happened: an engine's own copy resyncs

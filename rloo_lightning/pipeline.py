@@ -15,7 +15,7 @@ initial weights: staleness ``min(g, K)``). Prompts ahead are read from the data 
 (``train_batch(position)``), and the batch the loader hands to a step is checked against the one that was sampled.
 
 Between steps nothing is in flight: the module calls :meth:`RolloutPipeline.drain` at the end of every optimizer
-step, so a checkpoint written between steps holds the K finished rollouts ahead of it and a resumed run continues
+step (before its update), so a checkpoint written between steps holds the K finished rollouts ahead of it and a resumed run continues
 with the same samples. An engine that overlaps (``GenerationEngine.overlaps``) thus generates step ``g + K``'s
 rollout during step ``g``'s training; one that does not samples it at submission (exact, no overlap).
 """
@@ -214,8 +214,9 @@ class RolloutPipeline:
         self.wait_seconds += time.perf_counter() - start
 
     def drain(self) -> None:
-        """Collect every rollout still in flight: at the end of each optimizer step (the module's
-        ``optimizer_step``), so that between steps nothing is in flight and a checkpoint holds whole samples."""
+        """Collect every rollout still in flight: at the end of each optimizer step, before its update (the module's
+        ``on_before_optimizer_step``), so that between steps nothing is in flight and a checkpoint holds whole
+        samples."""
         for entry in sorted(self.ahead.values(), key=lambda e: e.position):
             self._finish(entry)
 

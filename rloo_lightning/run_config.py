@@ -197,14 +197,21 @@ class RunArgs:
     Args:
         checkpoint_every_n_steps: besides the end of fit (always), write ``last.ckpt`` every N optimizer steps;
             0 = off.
+        checkpoint_every_minutes: also write ``last.ckpt`` at the end of the first optimizer step that ends this
+            many minutes after the last one written (or after training started); 0 = off. It bounds what a kill
+            that leaves no time to save (``kill -9``, the out-of-memory killer, a lost node) throws away; any other
+            failure writes the last finished step anyway (``docs/reliability.md``).
         time_phases: time the phases of each step (generation, reward, policy forward, reference) and write them
             as ``time/<phase>`` to the loggers.
     """
 
     prefix: ClassVar[str] = "run"
     checkpoint_every_n_steps: int = 0
+    checkpoint_every_minutes: float = 10.0
     time_phases: bool = False
 
     def __post_init__(self) -> None:
         if self.checkpoint_every_n_steps < 0:
             raise ValueError(f"run.checkpoint_every_n_steps must be >= 0, got {self.checkpoint_every_n_steps}")
+        if isinstance(self.checkpoint_every_minutes, bool) or not self.checkpoint_every_minutes >= 0:
+            raise ValueError(f"run.checkpoint_every_minutes must be >= 0, got {self.checkpoint_every_minutes!r}")

@@ -270,3 +270,75 @@ def test_cli_ddp_resume_from_a_step_file_refreshes_last_ckpt_on_every_rank(tmp_p
     listing = _listing(ck)
     assert not [name for name in listing if name.startswith("last-")], listing
     assert listing["last.ckpt"] == 4 == max(listing.values()), (listing, resumed.explain())
+
+
+# -- any failure keeps the last finished step; a periodic write bounds what a kill loses ---------------------------
+@pytest.mark.parametrize("minutes,expected", [(1e-9, [1, 2, 3]), (60.0, [3])])
+def test_every_minutes_writes_at_the_first_step_end_past_the_interval(tmp_path, monkeypatch, minutes, expected):
+    saved = _record_saves(monkeypatch)
+    _trainer(tmp_path, 3, [FinalCheckpoint(every_minutes=minutes)]).fit(Boring())
+    assert saved == expected  # a tiny interval: every step's end; an hour: only the end of fit
+    with pytest.raises(ValueError, match="every_minutes"):
+        FinalCheckpoint(every_minutes=-1)
+
+
+class _FailsAt(Boring):
+    """Boring, whose training step raises at optimizer step ``at`` (as an engine, a reward or a stall does)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.at:
+            raise RuntimeError("the server at http://127.0.0.1:1 is gone")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_failure_inside_a_step_keeps_the_step_before_and_its_resume_is_exact(tmp_path):
+    from rloo_lightning.callbacks.checkpoint import FAILURE_CHECKPOINT
+
+    _trainer(tmp_path / "a", 5, [FinalCheckpoint()]).fit(Boring())
+    with pytest.raises(RuntimeError, match="is gone"):
+        _trainer(tmp_path / "b", 5, [FinalCheckpoint()]).fit(_FailsAt(3))
+    last = tmp_path / "b" / "checkpoints" / "last.ckpt"
+    assert _step(last) == 3  # steps 1-3 finished; the 4th failed
+    assert FAILURE_CHECKPOINT == {"path": str(last), "step": 3}
+    _trainer(tmp_path / "b", 5, [FinalCheckpoint()]).fit(Boring(), ckpt_path=last)
+    _assert_same(tmp_path / "b" / "checkpoints" / "last.ckpt", tmp_path / "a" / "checkpoints" / "last.ckpt")
+
+
+def test_a_failure_in_the_first_step_writes_nothing(tmp_path):
+    from rloo_lightning.callbacks.checkpoint import FAILURE_CHECKPOINT
+
+    with pytest.raises(RuntimeError, match="is gone"):
+        _trainer(tmp_path, 5, [FinalCheckpoint()]).fit(_FailsAt(0))
+    assert not list(tmp_path.rglob("*.ckpt")) and FAILURE_CHECKPOINT == {}
+
+
+@pytest.mark.slow
+def test_cli_a_reward_error_keeps_the_last_finished_step_names_it_and_resumes_bit_identically(tmp_path,
+                                                                                              tiny_model_dir,
+                                                                                              _cache_dir):
+    """A reward that raises (rewards.on_error: raise) in step 4: exit 1, the error line names the failure and
+    last.ckpt of step 3; resumed, the run ends where an uninterrupted one does."""
+    def env(name: str, at: int) -> dict:
+        return make_env(_cache_dir, STOP_LOG=str(tmp_path / f"events-{name}"), FAIL_AT_CALL=str(at))
+
+    common = ["--model.validation.at_start", "false", "--model.rewards.on_error", "raise",
+              "--model.rewards.funcs", "[stop_helpers.reward_that_fails]"]
+    a, c = tmp_path / "a", tmp_path / "c"
+    procs = [start_cli("a", _cli_args(a, tiny_model_dir, 6, *common), a, env("a", -1)),
+             start_cli("c", _cli_args(c, tiny_model_dir, 6, *common), c, env("c", 3))]
+    wait_all(*procs)
+    procs[0].check()
+    last = c / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert procs[1].rc == 1, procs[1].explain()
+    assert _step(last) == 3
+    error = [line for line in procs[1].stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and "reward failed on call 3" in error[0], procs[1].explain()
+    assert error[0].endswith(f"; {last} holds step 3: resume with --ckpt_path {last}"), procs[1].explain()
+    resumed = _cli_args(c, tiny_model_dir, 6, *common, "--ckpt_path", last)
+    wait_all(start_cli("c2", resumed, c, env("c2", -1)))
+    _assert_same_checkpoint(c / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt",
+                            a / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import time
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -30,9 +31,12 @@ from rloo_lightning.runtime.atomic_checkpoint import (
 )
 from rloo_lightning.runtime.checkpoint_check import optimizer_state_ratio
 
-__all__ = ["FinalCheckpoint", "HasCheckpointEntries"]
+__all__ = ["FinalCheckpoint", "HasCheckpointEntries", "FAILURE_CHECKPOINT"]
 
 LAST = "last.ckpt"
+#: After a fit that failed past its first step: ``{"path", "step"}`` of the ``last.ckpt`` it leaves (the CLI's last
+#: line names it); empty when none was written.
+FAILURE_CHECKPOINT: dict = {}
 
 
 @runtime_checkable
@@ -77,15 +81,22 @@ class FinalCheckpoint(Callback):
 
     Args:
         every_n_steps: also write ``last.ckpt`` every N optimizer steps (0: only at the end of fit).
+        every_minutes: also write it at the first optimizer step's end this many minutes after the last write (0:
+            never). A failure other than a stop signal writes the last finished step where one process can (see
+            :meth:`_keep_after_failure`).
     """
 
-    def __init__(self, every_n_steps: int = 0) -> None:
+    def __init__(self, every_n_steps: int = 0, every_minutes: float = 0.0) -> None:
         if every_n_steps < 0:
             raise ValueError(f"FinalCheckpoint: every_n_steps must be >= 0, got {every_n_steps}")
-        self.every_n_steps = every_n_steps
+        if every_minutes < 0:
+            raise ValueError(f"FinalCheckpoint: every_minutes must be >= 0, got {every_minutes}")
+        self.every_n_steps, self.every_minutes = every_n_steps, every_minutes
+        self._last_write = time.monotonic()  # of the last last.ckpt, or of training's start
         self._saved_step: int | None = None  # global step of the last.ckpt written in this fit, if any
         self._train_started = False
         self._boundary: dict | None = None  # the state at the end of the last step (one process)
+        self._boundary_step: int | None = None  # its optimizer step
         self._size: int | None = None  # estimated bytes of one checkpoint (check_space), for a failed save's message
 
     # -- where -------------------------------------------------------------------------------------
@@ -153,6 +164,7 @@ class FinalCheckpoint(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Every state is restored by now (also under strategies that restore after their setup).
         self._train_started = True
+        self._last_write = time.monotonic()
         if not self._enabled(trainer) or trainer.ckpt_path is None:
             return
         target = self.last_path(trainer)
@@ -166,6 +178,7 @@ class FinalCheckpoint(Callback):
         changes before its optimizer step (the weights, optimizer and schedulers change only there)."""
         if trainer.global_step > 0 and self._enabled(trainer):
             self._boundary = _boundary_state(trainer, pl_module, where)
+            self._boundary_step = trainer.global_step
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING and self._boundary is not None:
@@ -179,14 +192,18 @@ class FinalCheckpoint(Callback):
         if ended_optimizer_step(trainer, batch_idx):
             self._keep_boundary(trainer, pl_module, "batch")
         step = trainer.global_step
-        if (
-            self.every_n_steps > 0
-            and step > 0
-            and step % self.every_n_steps == 0
-            and self._saved_step != step
-            and self._enabled(trainer)
-        ):
+        if step == 0 or self._saved_step == step or not self._enabled(trainer):
+            return
+        if (self.every_n_steps > 0 and step % self.every_n_steps == 0) or self._minutes_passed(trainer, batch_idx):
             self._save(trainer)
+
+    def _minutes_passed(self, trainer: Trainer, batch_idx: int) -> bool:
+        """At an optimizer step's end: ``every_minutes`` since the last write, by rank 0's clock (broadcast: every
+        rank writes or none; each rank reaches every step's end in the same order)."""
+        if self.every_minutes <= 0 or not ended_optimizer_step(trainer, batch_idx):
+            return False
+        due = time.monotonic() - self._last_write >= 60.0 * self.every_minutes
+        return bool(trainer.strategy.broadcast(due)) if trainer.world_size > 1 else due
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Here, not in on_fit_end: that runs after the strategy's teardown (model moved off the device).
@@ -194,10 +211,14 @@ class FinalCheckpoint(Callback):
             self._save(trainer)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        FAILURE_CHECKPOINT.clear()
+        if not self._enabled(trainer) or trainer.global_step == 0:
+            return
+        if not isinstance(exception, SIGTERMException):
+            self._keep_after_failure(trainer, exception)
+            return
         # Preempted: SIGTERMException on every rank together (sigterm.py decides where), so the steps since the last
         # checkpoint are kept as a resumable last.ckpt.
-        if not isinstance(exception, SIGTERMException) or not self._enabled(trainer) or trainer.global_step == 0:
-            return
         if sigterm.aborted_step():  # stopped inside a step: its start's state, as a stop at the step before writes
             if self._saved_step != trainer.global_step and self._boundary is not None:
                 self._save(trainer, rewind=self._boundary)
@@ -206,6 +227,27 @@ class FinalCheckpoint(Callback):
         path = self.last_path(trainer)
         rank_zero_info(f"stopped by {sigterm.signal_name()} after step {trainer.global_step}; {path} holds that step: "
                        f"resume with --ckpt_path {path}")
+
+    def _keep_after_failure(self, trainer: Trainer, exception: BaseException) -> None:
+        """Any other failure (an engine or server gone, a stall, an environment or reward error under ``raise``, a
+        non-finite stop, ...): ``last.ckpt`` of the last finished step, as a stop inside the step writes it (the
+        boundary state, whose resume is bit-identical), and :data:`FAILURE_CHECKPOINT` says where, for the run's
+        last line. With several ranks the write is collective and the other ranks are elsewhere (in their next
+        collective, or gone): nothing is written then, and the last periodic ``last.ckpt`` stays
+        (``run.checkpoint_every_minutes``); the same when the failure came after a step's optimizer step but before
+        its end (the weights are then newer than every state this callback holds)."""
+        path = self.last_path(trainer, broadcast=False)
+        if trainer.world_size == 1 and self._saved_step != trainer.global_step:
+            if self._boundary is None or self._boundary_step != trainer.global_step:
+                rank_zero_info(f"failed during step {trainer.global_step + 1}, after its update: no consistent state "
+                               "to write")
+            else:
+                try:
+                    self._save(trainer, rewind=self._boundary)
+                except Exception as error:  # the failure is the run's story: this one is said, not raised
+                    rank_zero_info(f"{LAST} not written after the failure: {error}")
+        if self._saved_step is not None and os.path.exists(path):
+            FAILURE_CHECKPOINT.update(path=path, step=self._saved_step)
 
     def _last_is_current(self, trainer: Trainer) -> bool:
         """No step taken, or ``last.ckpt`` already holds this step (written by this callback or by a
@@ -263,6 +305,7 @@ class FinalCheckpoint(Callback):
         finally:
             sigterm.set_phase(before)
         self._saved_step = trainer.global_step
+        self._last_write = time.monotonic()
 
     def _refresh_after_resume(self, trainer: Trainer, target: str, collective: bool = True) -> None:
         """Copy the checkpoint resumed from to ``target`` when it is another checkpoint of the same folder.

@@ -48,6 +48,15 @@ def reward_that_signals(prompts, completions, completion_ids, **columns) -> list
     return [float(len(c) % 2) for c in completions]
 
 
+def reward_that_fails(prompts, completions, completion_ids, **columns) -> list[float]:
+    """Raises on its ``$FAIL_AT_CALL``-th call (from 0; counted in ``$STOP_LOG``), as a reward under
+    ``rewards.on_error: raise`` whose service went away; else ``len(completion) % 2``."""
+    call = _record("reward")
+    if call == int(os.environ.get("FAIL_AT_CALL", "-1")):
+        raise RuntimeError(f"reward failed on call {call}")
+    return [float(len(c) % 2) for c in completions]
+
+
 def reward_that_presses_ctrl_c(prompts, completions, completion_ids, **columns) -> list[float]:
     """From its ``$STOP_AT_CALL``-th call on (counted over every process that runs it: reward workers too), the
     first call to get there sends SIGINT to the process group, once; ``$CTRL_C_TWICE`` set: a second one a second
