@@ -24,7 +24,7 @@ python -c "import trl, torch, transformers, accelerate; print('trl', trl.__versi
 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
 if [ "${1:-}" != "--no-test" ]; then
   log=$(mktemp)
-  HF_HUB_OFFLINE=1 python -m pytest -q -m trl -rs -p no:cacheprovider 2>&1 | tee "$log"
+  HF_HUB_OFFLINE=1 python -m pytest -q -m trl -p no:cacheprovider --dist load 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   if [ "$rc" -eq 0 ] && grep -q "^SKIPPED" "$log"; then echo "TRL tests skipped in $VENV: they did not run"; rc=1; fi
   rm -f "$log"
