@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -33,6 +34,9 @@ from standin_vllm_server import StandinVLLM
 
 KEY = "standin-key-0123"
 ROWS = 4  # two prompts, two samples each
+#: The request_timeout of the tests that wait one out: short, yet long enough that an ordinary request of the tiny
+#: model (milliseconds) never reaches it on a loaded machine; and the slack their time bounds allow.
+SHORT, SLACK = 3, 5
 
 
 @pytest.fixture(autouse=True)
@@ -48,14 +52,15 @@ def standin(tiny_model_dir):
 
 @pytest.fixture
 def engines(tmp_path):
-    """``engines(server, **options)``: a VLLMServerEngine on the stand-in (sync folder in tmp_path, small timeouts),
-    closed at the test's end."""
+    """``engines(server or [servers], **options)``: a VLLMServerEngine on stand-ins (sync folder in tmp_path, small
+    timeouts), closed at the test's end."""
     made = []
 
     def make(server, **options):
         options = {"sync_dir": str(tmp_path / "sync"), "connect_timeout": 5, "request_timeout": 30,
                    "reconnect_timeout": 5, "retries": 2, **options}
-        engine = VLLMServerEngine(urls=[server.url], **options)
+        servers = server if isinstance(server, (list, tuple)) else [server]
+        engine = VLLMServerEngine(urls=[s.url for s in servers], **options)
         made.append(engine)
         return engine
 
@@ -181,15 +186,15 @@ def test_a_row_that_fails_every_attempt_ends_the_run_naming_the_server(standin, 
 
 def test_a_row_past_request_timeout_is_aborted_before_it_is_sent_again(standin, engines, policy):
     model, tok, config, ids, mask = policy
-    engine = engines(standin, request_timeout=2)
+    engine = engines(standin, request_timeout=SHORT)
     expected = engine.generate(model, tok, ids, mask, config, seed=4)
     start = len(standin.log)
     standin.fail_next(1, "hold", on="row")  # no answer until the abort comes
     assert _same(engine.generate(model, tok, ids, mask, config, seed=4), expected)
     log = standin.log[start:]
     held = next(e for e in log if e.get("held"))
-    abort = next(i for i, e in enumerate(log) if e["kind"] == "/abort_requests")
-    assert held["request_id"] in log[abort]["request_ids"] and log[abort]["aborted"] == 1
+    abort = next(i for i, e in enumerate(log) if held["request_id"] in e.get("request_ids", ()))
+    assert log[abort]["kind"] == "/abort_requests" and log[abort]["aborted"] == 1
     retry = [i for i, e in enumerate(log) if e["kind"] == "row" and e["seed"] == held["seed"]
              and e["request_id"] != held["request_id"]]
     assert len(retry) == 1 and retry[0] > abort  # the abort went out first, the retry kept the seed
@@ -266,8 +271,6 @@ def test_a_sync_the_canary_or_the_counts_disagree_with_stops_the_run_in_one_line
         assert "tensors (" in text and "bytes) written" in text
     else:
         gap = r"0\.01" if fault == "offset" else r"[0-9.e+-]+"
-        import re
-
         assert re.fullmatch(rf"VLLMServerEngine: after weight \w+ \w+:1, {standin.url} gives canary log-probs up to "
                             rf"{gap} from the trainer's \(canary_tolerance=0.001\): the server samples from other "
                             r"weights than the policy's", text), text
@@ -304,31 +307,33 @@ def test_a_server_that_stops_answering_ends_within_request_timeout(standin, engi
     """Frozen (as a SIGSTOPped server: connections accepted, never answered), no retry: the check before the rows
     ends within request_timeout."""
     model, tok, config, ids, mask = policy
-    engine = engines(standin, request_timeout=1, reconnect_timeout=1, retries=0)
+    engine = engines(standin, request_timeout=SHORT, reconnect_timeout=1, retries=0)
     engine.generate(model, tok, ids, mask, config, seed=1)
     standin.freeze()
     start = time.monotonic()
     with pytest.raises(RuntimeError) as err:
         engine.generate(model, tok, ids, mask, config, seed=1)
-    assert time.monotonic() - start < 1 + 3
+    assert time.monotonic() - start < SHORT + SLACK
     assert _one_line(err) == f"VLLMServerEngine: {standin.url} does not answer (timed out)"
 
 
 @pytest.mark.slow
 def test_a_server_that_stops_answering_with_retries_ends_past_reconnect_timeout(standin, engines, policy):
     model, tok, config, ids, mask = policy
-    engine = engines(standin, request_timeout=1, reconnect_timeout=1, retries=1)
+    engine = engines(standin, request_timeout=SHORT, reconnect_timeout=1, retries=1)
     engine.generate(model, tok, ids, mask, config, seed=1)
     standin.freeze()
     start = time.monotonic()
     with pytest.raises(RuntimeError) as err:
         engine.generate(model, tok, ids, mask, config, seed=1)
     elapsed = time.monotonic() - start
-    # issue 58: the documented bound, (retries + 1) x (request_timeout + reconnect_timeout) = 4 s here, is exceeded:
+    # issue 58: the documented bound, (retries + 1) x (request_timeout + reconnect_timeout) = 8 s here, is exceeded:
     # the wait for a restart polls /health with a fixed 5 s timeout of its own, so a frozen server takes
-    # request_timeout + 5 s (about 6 s here) whatever reconnect_timeout says. It should be known down within the
-    # liveness bound, and no wait should outlast the timeouts it is documented by.
-    assert 5 <= elapsed < 1 + 5 + 4, elapsed
+    # request_timeout + 5 s (about 8 s here; 1 + 5 s with request_timeout=1, past the bound of 4 s) whatever
+    # reconnect_timeout says. It should be known down within the
+    # liveness bound (a hang needs a progress signal: /health of a frozen server never answers), and no wait should
+    # outlast the timeouts it is documented by.
+    assert SHORT + 5 <= elapsed < SHORT + 5 + SLACK, elapsed
     assert _one_line(err) == (f"VLLMServerEngine: {standin.url} stopped answering and did not come back within "
                               "reconnect_timeout=1 s (timed out)")
 
@@ -337,7 +342,7 @@ def test_a_server_that_drains_without_answering_ends_the_rows(standin, engines, 
     """vLLM on SIGTERM: the generation aborted, the connections kept open without an answer, the listener closed
     (/health refused)."""
     model, tok, config, ids, mask = policy
-    engine = engines(standin, request_timeout=2, reconnect_timeout=1, retries=1)
+    engine = engines(standin, request_timeout=SHORT, reconnect_timeout=1, retries=1)
     engine.generate(model, tok, ids, mask, config, seed=1)
     standin.fail_next(ROWS, "hold", on="row")  # long generations, in flight when the signal comes
     handle = engine.submit(model, tok, ids, mask, config, seed=2)
@@ -351,7 +356,7 @@ def test_a_server_that_drains_without_answering_ends_the_rows(standin, engines, 
     # retry), though /health is refused from the moment the server drains: the server should be known down within
     # the liveness bound (seconds), whatever request_timeout is; then wait up to reconnect_timeout for it to come
     # back, or end with one line naming the address and what happened (a server shutting down).
-    assert 1 < elapsed < 2 + 1 + 3, elapsed
+    assert 1 < elapsed < SHORT + 1 + SLACK, elapsed
     assert _one_line(err).startswith(f"VLLMServerEngine: {standin.url} stopped answering and did not come back "
                                      "within reconnect_timeout=1 s (")
     assert len(standin.held()) == 0 and standin.entries("row", "silent")  # the drained rows never got an answer
@@ -361,7 +366,7 @@ def test_a_server_that_drains_without_answering_ends_the_rows(standin, engines, 
 def test_a_server_that_drains_with_health_503_ends_the_rows(standin, engines, policy):
     """The listener still open while it drains: /health answers 503, every request is held without an answer."""
     model, tok, config, ids, mask = policy
-    engine = engines(standin, request_timeout=1, reconnect_timeout=1, retries=0)
+    engine = engines(standin, request_timeout=SHORT, reconnect_timeout=1, retries=0)
     engine.generate(model, tok, ids, mask, config, seed=1)
     standin.fail_next(ROWS, "hold", on="row")
     handle = engine.submit(model, tok, ids, mask, config, seed=2)
@@ -371,20 +376,20 @@ def test_a_server_that_drains_with_health_503_ends_the_rows(standin, engines, po
     with pytest.raises(RuntimeError) as err:
         engine.collect(handle)
     elapsed = time.monotonic() - start
-    # issue 58: /health says 503 (the engine is gone) but nothing asks it: each row waits request_timeout, then its
-    # abort waits a fixed 5 s on a server that holds it too, about 6 s here for one attempt (with the defaults,
-    # (retries + 1) x (600 + 5) s). It should end within the liveness bound, naming the address and a server that
-    # is shutting down.
-    assert 5 <= elapsed < 1 + 5 + 4, elapsed
+    # issue 58: /health says 503 (the engine is gone) but nothing asks it: each row waits out request_timeout, then
+    # its abort waits a fixed 5 s on a server that holds it too: about 8 s here for one attempt (with the defaults,
+    # (retries + 1) x (600 + 5) s), and the line says "no answer", not that the server is shutting down. It should
+    # end within the liveness bound, naming the address and what happened.
+    assert 5 <= elapsed < SHORT + 5 + SLACK, elapsed
     assert _one_line(err) == (f"VLLMServerEngine: {standin.url} did not complete a row in 1 attempts (no answer "
-                              "within request_timeout=1 s)")
+                              f"within request_timeout={SHORT} s)")
 
 
 # -- calls outside the restart handling -----------------------------------------------------------------------------
 @pytest.mark.parametrize("how", ["drop", "hold"])
 def test_a_canary_whose_connection_is_lost_ends_the_run_without_the_address(standin, engines, policy, how):
     model, tok, config, ids, mask = policy
-    engine = engines(standin, request_timeout=2)
+    engine = engines(standin, request_timeout=SHORT if how == "hold" else 30)
     engine.generate(model, tok, ids, mask, config, seed=1)
     _step(model, seed=3)
     engine.on_weights_updated(model)
@@ -424,13 +429,13 @@ def test_a_server_down_at_start_ends_within_connect_timeout_without_a_word_while
     start = time.monotonic()
     with pytest.raises(RuntimeError) as err:
         engine.prepare(model, tok, config)
-    assert time.monotonic() - start < 1.5 + 2
+    assert time.monotonic() - start < 1.5 + SLACK
     assert _one_line(err).startswith(f"VLLMServerEngine: no vLLM server answered at {standin.url} within "
                                      "connect_timeout=1.5 s (")
     # issue 58: the wait says nothing until it ends (a wrong address waits the default 600 s silently); it should
     # print a line naming what it waits for, and repeat it.
     out, errs = capfd.readouterr()
-    assert out == "" and errs == ""
+    assert standin.url not in out + errs and "connect_timeout" not in out + errs
 
 
 def test_connect_resumes_a_server_left_paused_and_reachable_asks_health(standin, engines, policy, monkeypatch):
@@ -505,7 +510,7 @@ def test_a_sigterm_to_the_server_process_drains_it_and_ends_the_rows(tiny_model_
                                              headers={"Authorization": f"Bearer {KEY}"})
             urllib.request.urlopen(request, timeout=10).read()
 
-        engine = engines(Remote, request_timeout=2, reconnect_timeout=1, retries=1)
+        engine = engines(Remote, request_timeout=SHORT, reconnect_timeout=1, retries=1)
         engine.generate(model, tok, ids, mask, config, seed=1)
         control("fail_next", count=ROWS, how="hold", on="row")
         handle = engine.submit(model, tok, ids, mask, config, seed=2)
@@ -518,7 +523,7 @@ def test_a_sigterm_to_the_server_process_drains_it_and_ends_the_rows(tiny_model_
             engine.collect(handle)
         elapsed = time.monotonic() - start
         # issue 58: as in the in-process drain above: the rows wait out request_timeout though /health is refused.
-        assert elapsed < 2 + 1 + 3, elapsed
+        assert elapsed < SHORT + 1 + SLACK, elapsed
         assert _one_line(err).startswith(f"VLLMServerEngine: {Remote.url} stopped answering and did not come back "
                                          "within reconnect_timeout=1 s (")
         assert proc.poll() is None  # still draining: the connections it holds were never answered
@@ -526,3 +531,22 @@ def test_a_sigterm_to_the_server_process_drains_it_and_ends_the_rows(tiny_model_
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+# -- several servers ------------------------------------------------------------------------------------------------
+def test_two_servers_share_the_rows_by_prompt_group_and_each_is_synced(tiny_model_dir, standin, engines, policy):
+    """Every server gets every sync (verified); a prompt group's rows go to one server; a batch from two servers, one
+    of them failing requests, equals the batch of one server."""
+    model, tok, config, ids, mask = policy
+    expected = engines(standin).generate(model, tok, ids, mask, config, seed=9)
+    with StandinVLLM(tiny_model_dir, KEY) as second:
+        engine = engines([standin, second])
+        starts = len(standin.log), len(second.log)
+        second.fail_next(1, "500", on="row")
+        assert _same(engine.generate(model, tok, ids, mask, config, seed=9), expected)
+        for server, start in zip((standin, second), starts):
+            log = server.log[start:]
+            assert [e["outcome"] for e in log if e["kind"] == "rpc:rloo_load"] == ["200"]
+            assert [e["outcome"] for e in log if e["kind"] == "canary"] == ["200"]
+            assert len({e["seed"] for e in log if e["kind"] == "row"}) == ROWS // 2  # one group each
+            assert _weights_equal(server, model)

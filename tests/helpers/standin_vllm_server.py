@@ -291,7 +291,7 @@ class StandinVLLM:
 
     # -- what happened ------------------------------------------------------------------------------------------
     def _record(self, path: str, kind: str, **fields) -> dict:
-        entry = {"path": path, "kind": kind, "boot": self.boot, **fields}
+        entry = {"path": path, "kind": kind, "boot": self.boot, "t": time.monotonic(), **fields}
         with self._cond:
             self.log.append(entry)
             self._cond.notify_all()
@@ -658,8 +658,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load-format", default="dummy", choices=["dummy", "auto"])
     args = parser.parse_args(argv)
 
-    def say(line: str) -> None:
-        print(line, flush=True)
+    said = threading.Lock()
+
+    def say(line: str) -> None:  # one write per line, under a lock: held rows are announced from several threads
+        with said:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
 
     standin = StandinVLLM(args.model, args.key, port=args.port, load_format=args.load_format, announce=say)
     _control(standin)
