@@ -550,3 +550,25 @@ def test_two_servers_share_the_rows_by_prompt_group_and_each_is_synced(tiny_mode
             assert [e["outcome"] for e in log if e["kind"] == "canary"] == ["200"]
             assert len({e["seed"] for e in log if e["kind"] == "row"}) == ROWS // 2  # one group each
             assert _weights_equal(server, model)
+
+
+@pytest.mark.slow
+def test_a_hung_engine_whose_health_still_answers_ends_the_rows(standin, engines, policy):
+    """A hung engine behind a live API server: /health answers 200, nothing else answers."""
+    model, tok, config, ids, mask = policy
+    engine = engines(standin, request_timeout=SHORT, reconnect_timeout=1, retries=0)
+    engine.generate(model, tok, ids, mask, config, seed=1)
+    standin.fail_next(ROWS, "hold", on="row")
+    handle = engine.submit(model, tok, ids, mask, config, seed=2)
+    standin.wait_for(lambda s: len(s.held("row")) == ROWS)
+    start = time.monotonic()
+    standin.freeze(health="200")
+    with pytest.raises(RuntimeError) as err:
+        engine.collect(handle)
+    elapsed = time.monotonic() - start
+    # issue 58: a hang is seen only through request_timeout (600 s by default), then each row's abort waits a fixed
+    # 5 s on the hung server: about 8 s here for one attempt. A hang needs a progress signal (/health says 200), and
+    # the line should say the server stopped making progress, not only that a row had no answer.
+    assert 5 <= elapsed < SHORT + 5 + SLACK, elapsed
+    assert _one_line(err) == (f"VLLMServerEngine: {standin.url} did not complete a row in 1 attempts (no answer "
+                              f"within request_timeout={SHORT} s)")

@@ -25,9 +25,10 @@ Faults, each switched on by the test (:meth:`StandinVLLM.fail_next` for the next
 methods or attributes): an HTTP 500, a connection dropped before or after the work, a request held without an answer
 (slower than any timeout; an abort or :meth:`release` ends it), a restart (another boot, dummy weights again, every
 connection in flight dropped), log-probs off on the canary, a key refused, a server that stops answering
-(:meth:`freeze`: connections accepted, never answered, ``/health`` included), a load that takes nothing or ignores the
-files, and a drain as vLLM does on SIGTERM (:meth:`drain`: generation aborted, the connections in flight kept open
-without an answer, ``/health`` refused as the listener closes, or 503 with it open).
+(:meth:`freeze`: connections accepted, never answered, ``/health`` included, or answering 200 as a hung engine's
+does), a load that takes nothing or ignores the files, and a drain as vLLM does on SIGTERM (:meth:`drain`:
+generation aborted, the connections in flight kept open without an answer, ``/health`` refused as the listener
+closes, or 503 with it open).
 
 Every request is written to :attr:`StandinVLLM.log` in the order received (its path, kind, seed, request id, and
 its outcome once known: the HTTP status, "dropped", "silent", ...; ``held`` when a fault held it), and
@@ -162,7 +163,7 @@ class StandinVLLM:
         #: "ok"; "nothing": a load consumes no tensor (vLLM's NCCL update without CUDA); "ignore": it counts the
         #: tensors but keeps the old weights (a load that "succeeds" and changes nothing).
         self.load_mode = "ok"
-        self.frozen = False
+        self.frozen: str | None = None  # None, or what /health does while frozen: "silent" or "200"
         self.draining: str | None = None  # None, "refused" or "503"
         self.paused: str | None = None  # None or the mode of the last /pause
         self._boot()
@@ -233,14 +234,17 @@ class StandinVLLM:
             self.paused = None
         self._record("restart", "restart", outcome=self.boot)
 
-    def freeze(self) -> None:
-        """Stop answering (as a SIGSTOPped server): every request, ``/health`` included, is accepted and never
-        answered until :meth:`thaw` (then served) or :meth:`close`."""
-        self.frozen = True
+    def freeze(self, health: str = "silent") -> None:
+        """Stop answering: every request is accepted and never answered until :meth:`thaw` (then served) or
+        :meth:`close`. ``health="silent"``: ``/health`` too (a SIGSTOPped server); ``"200"``: ``/health`` still
+        answers 200 (a hung engine behind a live API server)."""
+        if health not in ("silent", "200"):
+            raise ValueError(f"freeze health must be 'silent' or '200', got {health!r}")
+        self.frozen = health
 
     def thaw(self) -> None:
         with self._cond:
-            self.frozen = False
+            self.frozen = None
             for flight in self._inflight:
                 if flight.held and flight.fate is None and flight.why == "frozen":
                     flight.decide("release")
@@ -406,7 +410,7 @@ class StandinVLLM:
         return None
 
     def _answer(self, handler, method, path, params, body, kind, flight) -> tuple[int, object]:
-        if self.frozen:
+        if self.frozen and not (self.frozen == "200" and path == "/health" and method == "GET"):
             self._hold(flight, "frozen")
         if self.draining is not None:
             if path == "/health" and method == "GET":
