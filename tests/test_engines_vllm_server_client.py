@@ -193,7 +193,8 @@ def test_a_row_past_request_timeout_is_aborted_before_it_is_sent_again(standin, 
     assert _same(engine.generate(model, tok, ids, mask, config, seed=4), expected)
     log = standin.log[start:]
     held = next(e for e in log if e.get("held"))
-    abort = next(i for i, e in enumerate(log) if held["request_id"] in e.get("request_ids", ()))
+    names = {held["request_id"], f"cmpl-{held['request_id']}"}  # vLLM's own name for it, or the one it was sent with
+    abort = next(i for i, e in enumerate(log) if names & set(e.get("request_ids", ())))
     assert log[abort]["kind"] == "/abort_requests" and log[abort]["aborted"] == 1
     retry = [i for i, e in enumerate(log) if e["kind"] == "row" and e["seed"] == held["seed"]
              and e["request_id"] != held["request_id"]]
