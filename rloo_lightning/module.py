@@ -5,8 +5,6 @@ The rest of a Lightning module around a sampled LM (models, engine checks, evalu
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
@@ -34,14 +32,13 @@ from rloo_lightning.metrics import (
     MissingRewardWatch, NoSignalWatch, global_means, log_step_metrics, single_values, train_metric_sums,
     write_to_loggers,
 )
-from rloo_lightning.models import sharding
 from rloo_lightning.models.policy import lora_config
 from rloo_lightning.pipeline import RolloutPipeline, resumed_rollouts_ahead
 from rloo_lightning.policy_module import PolicyModule
 from rloo_lightning.reference import ReferencePolicy
 from rloo_lightning.rewards import RewardSet
 from rloo_lightning.rollout import CompletionSampler, GenerationContext, Rollout, derive_seed
-from rloo_lightning.runtime import framework, sigterm
+from rloo_lightning.runtime import framework
 from rloo_lightning.runtime.timing import PhaseTimer
 from rloo_lightning.update import (
     GradientStash, NonFiniteError, NonFiniteGuard, PolicyUpdate, RolloutReuse, loss_denominators, micro_batches,
@@ -189,7 +186,8 @@ class RLOOModule(PolicyModule):
             rollout = self.sample(batch, c.sampling.k, self.sampling_seed("train", self.global_step), in_step=True)
         if fresh:
             # 2. Rewards: weighted sum of the reward functions (NaN = missing), then the optional shaping.
-            rollout.scores, rollout.rewards = self.score(rollout)
+            with self.ranks_agree("after scoring"):
+                rollout.scores, rollout.rewards = self.score(rollout)
             if c.dynamic_sampling.enabled:  # DAPO: more prompts until every group's rewards differ
                 rollout = informative_rollout(self, rollout, len(batch["prompt"]))
         # 3.-7. Log-probs, KL, sampler correction, advantages, loss (rollout_loss, below).
@@ -256,22 +254,11 @@ class RLOOModule(PolicyModule):
     def sample(self, batch: dict, k: int, seed: int, greedy: bool = False, in_step: bool = False) -> Rollout:
         """Step 1: ``k`` completions (or episodes) per prompt of ``batch`` from the policy, as a new :class:`Rollout`.
 
-        ``in_step``: a training step's rollout. A stop signal during it then ends the run here, every rank together
-        (:func:`~rloo_lightning.runtime.sigterm.end_step`: the ranks' one agreement inside the step), before anything
-        of it is kept."""
+        ``in_step``: a training step's rollout. A stop signal or a failure on any rank then ends the run here, every
+        rank together (:meth:`ranks_agree`), before anything of it is kept."""
         config = self.greedy_config if greedy else self.generation_config
         with self.generating(in_step):
             return self.sampler.sample(self.generation_context(), batch, k, config, seed)
-
-    @contextmanager
-    def generating(self, in_step: bool):
-        """Around a generation call: timed, and on sharded policies (FSDP2, FSDP, ZeRO-3) the parameters gathered
-        once for the whole call (every turn of an episode), so that ranks stopping at different lengths issue no
-        collectives (no deadlock). ``in_step``: a stop signal then ends the run after it (see :meth:`sample`)."""
-        with self.timer("generation"), sharding.gathered_for_generation(self.policy, self._strategy):
-            yield
-        if in_step:
-            sigterm.end_step(framework.module_trainer(self), "after generation")
 
     def submit_rollout(self, batch: dict, seed: int):
         """Start :meth:`sample` of ``batch`` from the weights as they are (the pipeline's rollouts ahead): a handle

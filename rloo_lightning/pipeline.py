@@ -15,9 +15,10 @@ initial weights: staleness ``min(g, K)``). Prompts ahead are read from the data 
 (``train_batch(position)``), and the batch the loader hands to a step is checked against the one that was sampled.
 
 Between steps nothing is in flight: the module calls :meth:`RolloutPipeline.drain` at the end of every optimizer
-step (before its update), so a checkpoint written between steps holds the K finished rollouts ahead of it and a resumed run continues
-with the same samples. An engine that overlaps (``GenerationEngine.overlaps``) thus generates step ``g + K``'s
-rollout during step ``g``'s training; one that does not samples it at submission (exact, no overlap).
+step (before its update), so a checkpoint written between steps holds the K finished rollouts ahead of it and a
+resumed run continues with the same samples. An engine that overlaps (``GenerationEngine.overlaps``) thus generates
+step ``g + K``'s rollout during step ``g``'s training; one that does not samples it at submission (exact, no
+overlap).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class RolloutPipeline:
         self._round: tuple[float, list[Ahead]] | None = None  # (start, entries) of the last submission round
         self.engine_idle: float | None = None  # seconds the engine idled between the last two rounds, when known
         self._resumed: dict | None = None  # a checkpoint's rollouts ahead, until start()
+        self.failed = False  # a collect raised: the engine is not asked again for a checkpoint
         self._started = False
 
     # -- fit set-up and start ----------------------------------------------------------------------
@@ -136,7 +138,7 @@ class RolloutPipeline:
     def reset(self) -> None:
         """Nothing ahead, nothing in use (the rollouts in flight are dropped, not collected)."""
         self.ahead, self.weights_step_in_use, self._round, self.engine_idle = {}, None, None, None
-        self.wait_seconds = 0.0
+        self.wait_seconds, self.failed = 0.0, False
 
     def resume(self, state: dict | None) -> None:
         """A resumed checkpoint's rollouts ahead (:func:`resumed_rollouts_ahead`): loaded at :meth:`start`, or now
@@ -209,7 +211,11 @@ class RolloutPipeline:
         if entry.pending is None:
             return
         start = time.perf_counter()
-        entry.rollout, entry.seconds = self.host.collect_rollout(entry.pending)
+        try:
+            entry.rollout, entry.seconds = self.host.collect_rollout(entry.pending)
+        except Exception:
+            self.failed = True  # the engine failed: a checkpoint written now asks it nothing more (state_dict)
+            raise
         entry.pending = None
         self.wait_seconds += time.perf_counter() - start
 
@@ -252,12 +258,15 @@ class RolloutPipeline:
 
     def state_dict(self) -> dict:
         """The finished rollouts ahead. Between steps none is in flight (:meth:`drain`); a checkpoint written inside
-        a step (a stop signal's, rewound to the step before) collects its pending ones first: whole samples only."""
-        self.drain()
+        a step (a stop signal's, rewound to the step before) collects its pending ones first: whole samples only. After
+        the engine failed, nothing more is asked of it: the finished ones only (such a checkpoint is rewound to the
+        step before, whose entries replace these)."""
+        if not self.failed:
+            self.drain()
         return {"weights_step_in_use": self.weights_step_in_use,
                 "ahead": [{"position": e.position, "weights_step": e.weights_step, "rows": e.rows,
                            "prompt_ids": e.prompt_ids, "fields": dataclasses.asdict(e.rollout)}
-                          for e in self.ahead.values()]}
+                          for e in self.ahead.values() if e.rollout is not None]}
 
     def load_state_dict(self, state: dict) -> None:
         # "version": the key of checkpoints written before the field was named weights_step

@@ -7,10 +7,12 @@ evaluation (validation, test, predict) and export. :class:`~rloo_lightning.modul
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager, nullcontext
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 
 from rloo_lightning.callbacks.predict import prediction_rows
@@ -26,7 +28,7 @@ from rloo_lightning.models.policy import (
 from rloo_lightning.reference import ReferencePolicy
 from rloo_lightning.rewards.model import RewardModel
 from rloo_lightning.rollout import Rollout, default_eos_ids, generation_configs
-from rloo_lightning.runtime import framework
+from rloo_lightning.runtime import framework, sigterm
 from rloo_lightning.runtime.no_trainer import NO_TRAINER
 from rloo_lightning.update import warmup_constant_schedule
 
@@ -172,6 +174,32 @@ class PolicyModule(LightningModule):
     def teardown(self, stage: str) -> None:
         if self.rewards is not None:
             self.rewards.close()
+
+    # -- generation inside a step: every rank ends together -----------------------------------
+    @contextmanager
+    def generating(self, in_step: bool):
+        """Around a generation call: timed, and on sharded policies (FSDP2, FSDP, ZeRO-3) the parameters gathered
+        once for the whole call (every turn of an episode), so that ranks stopping at different lengths issue no
+        collectives (no deadlock). ``in_step``: a step's generation, which ends at an agreement of every rank
+        (:meth:`ranks_agree`)."""
+        with self.ranks_agree("after generation") if in_step else nullcontext():
+            with self.timer("generation"), sharding.gathered_for_generation(self.policy, self._strategy):
+                yield
+
+    @contextmanager
+    def ranks_agree(self, where: str):
+        """A part of a training step that no collective interrupts, ending where every rank agrees
+        (:func:`~rloo_lightning.runtime.sigterm.end_step`): a stop signal, or a failure on any rank (held until
+        then, so that no rank waits for it in a collective), ends every rank there together, before anything of the
+        step is kept; the checkpoint written is then the step before's."""
+        failure = None
+        try:
+            yield
+        except (sigterm.StepFailed, SIGTERMException):
+            raise  # an inner agreement already ended every rank
+        except Exception as error:
+            failure = error
+        sigterm.end_step(framework.module_trainer(self), where, failure)
 
     # -- the policy run on a rollout -----------------------------------------------------------
     def logprobs(self, model: torch.nn.Module, rollout: Rollout, rows: slice = slice(None),

@@ -232,12 +232,17 @@ class FinalCheckpoint(Callback):
         """Any other failure (an engine or server gone, a stall, an environment or reward error under ``raise``, a
         non-finite stop, ...): ``last.ckpt`` of the last finished step, as a stop inside the step writes it (the
         boundary state, whose resume is bit-identical), and :data:`FAILURE_CHECKPOINT` says where, for the run's
-        last line. With several ranks the write is collective and the other ranks are elsewhere (in their next
+        last line. With several ranks the write is collective: it is made when every rank failed together inside a
+        step (:class:`~rloo_lightning.runtime.sigterm.StepFailed`: a rank's engine, environment or reward failing in
+        a step's generation or scoring); after any other failure the other ranks are elsewhere (in their next
         collective, or gone): nothing is written then, and the last periodic ``last.ckpt`` stays
         (``run.checkpoint_every_minutes``); the same when the failure came after a step's optimizer step but before
         its end (the weights are then newer than every state this callback holds)."""
         path = self.last_path(trainer, broadcast=False)
-        if trainer.world_size == 1 and self._saved_step != trainer.global_step:
+        # sigterm.StepFailed: every rank raised it at the same agreement point, outside any collective: they write
+        # together.
+        together = trainer.world_size == 1 or isinstance(exception, sigterm.StepFailed)
+        if together and self._saved_step != trainer.global_step:
             if self._boundary is None or self._boundary_step != trainer.global_step:
                 rank_zero_info(f"failed during step {trainer.global_step + 1}, after its update: no consistent state "
                                "to write")

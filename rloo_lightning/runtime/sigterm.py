@@ -50,7 +50,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from rloo_lightning.runtime import framework
 
-__all__ = ["abort_step", "aborted_step", "agree", "attach", "between_batches", "check", "end_step", "exit_code",
+__all__ = ["StepFailed", "abort_step", "aborted_step", "agree", "attach", "between_batches", "check", "end_step",
+           "exit_code",
            "ignore_sigint", "install", "phase", "rank_zero", "requested", "set_phase", "sigint_held", "signal_name"]
 
 POLL_SECONDS = 1.0  # how often a generating rank asks the process group's store whether another rank was signalled
@@ -181,12 +182,42 @@ def agree(trainer) -> bool:
     return _state["requested"]
 
 
-def end_step(trainer, where: str) -> None:
-    """After a step's generation, before anything of it is kept: every rank stops here if any was signalled, and
-    the checkpoint written is the step before's (:func:`aborted_step`)."""
-    if trainer is not None and agree(trainer):
+class StepFailed(RuntimeError):
+    """A failure inside a training step that every rank raises together (:func:`end_step`): the ranks are all at
+    the same point, outside any collective, so the checkpoint of the step before can be written collectively."""
+
+
+def end_step(trainer, where: str, failure: BaseException | None = None) -> None:
+    """At an agreement point of a step (after its generation, after its scoring), before anything of it is kept:
+    every rank stops here if any was signalled, and the checkpoint written is the step before's
+    (:func:`aborted_step`). ``failure``: this rank's exception in the work before the point (held, not raised, so
+    that the other ranks do not wait for it in their next collective); with several ranks, a failure on any rank
+    raises :class:`StepFailed` on every rank, naming the failed ranks and their errors."""
+    if trainer is None:
+        if failure is not None:
+            raise failure
+        return
+    if getattr(trainer, "world_size", 1) > 1:
+        failed = trainer.strategy.reduce_boolean_decision(failure is not None, all=False)
+        if failed:
+            errors = [None] * trainer.world_size
+            torch.distributed.all_gather_object(errors, None if failure is None else _one_line(failure))
+            said = "; ".join(f"rank {rank}: {error}" for rank, error in enumerate(errors) if error is not None)
+            _state["aborted_step"] = _state["phase"] == "train"
+            raise StepFailed(f"{where} on {sum(e is not None for e in errors)} of {len(errors)} ranks: {said}") \
+                from failure
+    elif failure is not None:
+        raise failure
+    if agree(trainer):
         _state["aborted_step"] = _state["phase"] == "train"
         raise SIGTERMException(where)
+
+
+def _one_line(error: BaseException) -> str:
+    """An error as the CLI's line says it (its message, with its class unless the package's own plain error)."""
+    from rloo_lightning.cli_errors import error_line  # the CLI's wording; imported late (the CLI imports this)
+
+    return error_line(error).removeprefix("error: ")
 
 
 def between_batches(trainer, where: str) -> None:

@@ -49,11 +49,12 @@ def reward_that_signals(prompts, completions, completion_ids, **columns) -> list
 
 
 def reward_that_fails(prompts, completions, completion_ids, **columns) -> list[float]:
-    """Raises on its ``$FAIL_AT_CALL``-th call (from 0; counted in ``$STOP_LOG``), as a reward under
-    ``rewards.on_error: raise`` whose service went away; else ``len(completion) % 2``."""
-    call = _record("reward")
-    if call == int(os.environ.get("FAIL_AT_CALL", "-1")):
-        raise RuntimeError(f"reward failed on call {call}")
+    """Raises on its ``$FAIL_AT_CALL``-th call (from 0; counted in ``$STOP_LOG``), on rank ``$FAIL_RANK`` only when
+    it is set, as a reward under ``rewards.on_error: raise`` whose service went away; else ``len(completion) % 2``."""
+    if os.environ.get("FAIL_RANK", os.environ.get("LOCAL_RANK", "0")) == os.environ.get("LOCAL_RANK", "0"):
+        call = _record("reward")
+        if call == int(os.environ.get("FAIL_AT_CALL", "-1")):
+            raise RuntimeError(f"reward failed on call {call}")
     return [float(len(c) % 2) for c in completions]
 
 
