@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -16,7 +17,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from rloo_lightning.callbacks.predict import PredictionWriter
 from rloo_lightning.callbacks.progress import StepProgressBar
-from rloo_lightning.cli_errors import error_line, parser_message, set_where, unknown_option_message
+from rloo_lightning.cli_errors import error_line, parser_message, renamed_message, set_where, unknown_option_message
 from rloo_lightning.runtime import console, framework, sigterm
 from rloo_lightning.runtime.atomic_checkpoint import install_atomic_checkpoint_io
 from rloo_lightning.runtime.checkpoint_check import check_checkpoint_path, local_checkpoint_path
@@ -26,6 +27,7 @@ from rloo_lightning.engines import engine_class
 from rloo_lightning.export import checkpoint_hparams, main as export_main
 from rloo_lightning.runtime.importpath import add_cwd_to_sys_path
 from rloo_lightning.module import RLOOModule
+from rloo_lightning.runtime.renamed import renamed_path
 
 __all__ = ["RLOOCLI", "main", "TRACEBACK_ENV"]
 
@@ -115,10 +117,12 @@ class RLOOCLI(LightningCLI):
         self._argv = [str(a) for a in argv] if isinstance(argv, list) else []  # errors say where an option was set
         try:
             super().parse_arguments(parser, args)
-        except ArgumentError as exc:  # an unknown option: named with where it was given and the closest valid one
-            subcommand = _subcommand_of(self._argv)
+        except ArgumentError as exc:  # an unknown option: named with where it was given and the closest valid one;
+            subcommand = _subcommand_of(self._argv)  # a class path of an old module: its new path
             subparser = framework.cli_subcommand_parsers(self).get(subcommand)
-            better = unknown_option_message(parser_message(exc), self._argv, subparser or parser, subcommand)
+            message = parser_message(exc)
+            better = (unknown_option_message(message, self._argv, subparser or parser, subcommand)
+                      or renamed_message(message, self._argv, subcommand))
             if better is None:
                 raise
             raise ArgumentError(None, better) from exc
@@ -261,7 +265,10 @@ def _set_checkpoint_defaults(parser, model: dict, data: dict) -> str | None:
         try:
             engine_class(engine["class_path"])
         except (ImportError, TypeError) as err:
-            missing = f"{engine['class_path']}, which cannot be rebuilt here ({err})"
+            new = renamed_path(engine["class_path"])  # a path of an old module: the spec that rebuilds it
+            spec = json.dumps({"class_path": new, "init_args": engine.get("init_args") or {}})
+            missing = (f"{engine['class_path']}, renamed {new} since (--model.generation_engine '{spec}' names it)"
+                       if new else f"{engine['class_path']}, which cannot be rebuilt here ({err})")
         else:
             parser.set_defaults({"model.generation_engine": engine})
     items = [(f"model.{name}", value) for name, value in model.items()]

@@ -2,7 +2,8 @@
 
 :func:`error_line` is the line an exception chain comes down to (its innermost useful message);
 :func:`unknown_option_message` names an unknown option as the user gave it, with the config file that sets it and the
-closest valid option; :func:`set_where` says where an option was set, for an error about its value.
+closest valid option; :func:`renamed_message` names the new path of a class path that names an old module;
+:func:`set_where` says where an option was set, for an error about its value.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from rloo_lightning.runtime import framework
 from rloo_lightning.runtime.atomic_checkpoint import NoSpaceError
+from rloo_lightning.runtime.renamed import renamed_hint
 
-__all__ = ["error_line", "parser_message", "set_where", "unknown_option_message"]
+__all__ = ["error_line", "parser_message", "renamed_message", "set_where", "unknown_option_message"]
 
 # Exception types whose message says it all; other types are named on the error line (NonFiniteError: ...).
 _PLAIN_ERRORS = (ValueError, RuntimeError, OSError, FileNotFoundError, FileExistsError, ImportError,
@@ -108,6 +110,23 @@ def unknown_option_message(message: str, argv: list[str], parser, subcommand: st
     else:
         bad, where, fix = key, "", full_fix or level_fix
     return f"unknown option {bad}{where}" + (f"; did you mean {fix}?" if fix else "")
+
+
+_PACKAGE_PATH = re.compile(r"(?<![\w.])rloo_lightning(?:\.\w+)+")
+_PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
+
+
+def renamed_message(message: str, argv: list[str], subcommand: str | None) -> str | None:
+    """The one line for the parser's ``message`` when it rejects a class path that names an old module of the
+    package (else None): the option as the user set it, and the path's new name. ``Parser key
+    "model.generation_engine": ... 'rloo_lightning.vllm_engine.VLLMEngine' ...`` (many lines) becomes
+    ``model.generation_engine in my.yaml: rloo_lightning.vllm_engine.VLLMEngine was renamed
+    rloo_lightning.engines.vllm.VLLMEngine: use the new path``."""
+    hint = next((h for h in map(renamed_hint, _PACKAGE_PATH.findall(message)) if h is not None), None)
+    if hint is None:
+        return None
+    key = _PARSER_KEY.search(message)
+    return f"{set_where(argv, key[1], subcommand)}: {hint}" if key else hint
 
 
 def _closest_key(key: str, valid: set[str]) -> tuple[str, str | None, str | None]:

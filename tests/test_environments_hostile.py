@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 from test_environments_episodes import _prompts, _scripted_generate, _tokenizer
-from test_multiturn_module import GUESS, _guess_batch, _module
+from test_module_multiturn import GUESS, _guess_batch, _module
 
 from rloo_lightning import RLOOModule
 from rloo_lightning.environments import EnvironmentConfigError, EnvStep, Environment, Message

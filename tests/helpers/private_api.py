@@ -12,7 +12,7 @@ __all__ = ["OWN_PRIVATE_NAMES", "private_uses", "seam_names"]
 
 OWN_PRIVATE_NAMES = {
     # this package's own private names, reached on an object other than self
-    "_moved", "_serve", "_import_object",  # its own modules' helpers
+    "_serve", "_import_object",  # its own modules' helpers
     "_given_args",  # set on an engine by its own engine_spec
     "_rloo_asleep",  # set on vLLM's LLM by its own child process
 }

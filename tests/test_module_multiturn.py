@@ -1,7 +1,7 @@
 """Multi-turn episodes in RLOOModule: the rollout, the masks of the loss and the KL, rewards, errors, options.
 
 In-process tests on tiny random models (the CLI runs, with DDP / FSDP2 and resume, are in
-``test_multiturn_runs.py``). The environments are in ``multiturn_helpers.py``.
+``test_cli_multiturn.py``). The environments are in ``multiturn_helpers.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,0 @@
-"""Moved to :mod:`rloo_lightning.runtime.importpath`; this path will be removed."""
-from rloo_lightning._moved import moved
-
-__getattr__ = moved(__name__, "rloo_lightning.runtime.importpath")
