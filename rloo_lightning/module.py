@@ -290,14 +290,15 @@ class RLOOModule(PolicyModule):
         if self.pipeline is not None:
             self.pipeline.start(self.run_by)
 
-    def score(self, rollout: Rollout, shape: bool = True) -> tuple[dict[str, Tensor], Tensor]:
+    def score(self, rollout: Rollout, shape: bool = True, rewards: bool = True) -> tuple[dict[str, Tensor], Tensor]:
         """Step 2: ``(scores, rewards)``: ``{name: [B]}`` per reward function and the task reward ``[B]``, their
         weighted sum, with the ``shaping`` penalties unless ``shape`` is False (validation scores unshaped).
 
-        A multi-turn rollout adds its environment's reward, as the score ``environment`` (weight 1)."""
+        A multi-turn rollout adds its environment's reward, as the score ``environment`` (weight 1); ``rewards``
+        False: that one alone (predict on prompts without the reward functions' columns)."""
         with self.timer("reward"):
             total, per_func = torch.zeros(len(rollout.prompts)), {}
-            if self.rewards is not None:
+            if self.rewards is not None and rewards:
                 total, per_func = self.rewards.score(rollout.prompts, rollout.completions,
                                                      rollout.completion_token_lists(), rollout.columns)
             if rollout.episodes is not None:

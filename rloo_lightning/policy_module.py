@@ -11,7 +11,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 
@@ -27,6 +27,7 @@ from rloo_lightning.models.policy import (
 )
 from rloo_lightning.reference import ReferencePolicy
 from rloo_lightning.rewards.model import RewardModel
+from rloo_lightning.rewards.protocol import RewardError
 from rloo_lightning.rollout import Rollout, default_eos_ids, generation_configs
 from rloo_lightning.runtime import framework, sigterm
 from rloo_lightning.runtime.no_trainer import NO_TRAINER
@@ -53,10 +54,18 @@ class PolicyModule(LightningModule):
         datamodule = self.run_by.datamodule
         if self.episodes is not None and datamodule is not None:
             self.episodes.check_data(datamodule)
-        if self.rewards is not None and stage != "predict":
+        self.predict_scores = self.rewards is not None  # predict: the reward functions score the predictions
+        if self.rewards is not None:
             added = list(self.episodes.columns) if self.episodes is not None else []  # a multi-turn rollout's
             for source, names in getattr(datamodule, "columns", lambda stage: [])(stage):
-                self.rewards.check_columns([*names, *added], source)  # the data's own columns, before the model loads
+                try:  # the data's own columns, before the model loads
+                    self.rewards.check_columns([*names, *added], source)
+                except RewardError as error:
+                    if stage != "predict":
+                        raise
+                    # New prompts without the reward's columns (an answer): predictions without a reward.
+                    self.predict_scores = False
+                    rank_zero_info(f"predict: the predictions carry no reward ({error})")
 
     def use_engine(self, engine: GenerationEngine) -> None:
         """Sample with ``engine``: ``correction.level: auto`` becomes its ``default_correction`` (config.py)."""
@@ -309,15 +318,16 @@ class PolicyModule(LightningModule):
         """Completions for a batch of prompts, one JSON-ready dict each (written by ``PredictionWriter``).
 
         ``predict.num_samples`` per prompt from the training sampler, seeded by (seed, rank, batch), or one
-        greedy completion; scored (unshaped) when reward functions are given.
+        greedy completion; scored (unshaped) when reward functions are given and the prompts have the columns they
+        read (else the predictions carry no reward, said once at setup).
         """
         p = self.cfg.predict
         if p.greedy:
             rollout = self.sample(batch, 1, 0, greedy=True)
         else:
             rollout = self.sample(batch, p.num_samples, self.sampling_seed("predict", batch_idx))
-        if self.rewards is not None or self.episodes is not None:
-            rollout.scores, rollout.rewards = self.score(rollout, shape=False)
+        if self.predict_scores or self.episodes is not None:
+            rollout.scores, rollout.rewards = self.score(rollout, shape=False, rewards=self.predict_scores)
         return prediction_rows(rollout, batch["prompt"])
 
     # -- export --------------------------------------------------------------------------------

@@ -319,3 +319,40 @@ def test_fit_validate_test_and_predict_each_tell_the_engine_before_generating(ti
         run()
         assert "generate" in engine.events and engine.events.index("stale") < engine.events.index("generate"), \
             engine.events
+
+
+def test_predict_on_prompts_without_the_rewards_columns_writes_predictions_without_a_reward(tiny_model_dir,
+                                                                                          tmp_path):
+    # the reverse task's reward reads `answer`: new prompts have none
+    module = _module(tiny_model_dir, predict={"output_file": str(tmp_path / "predictions.jsonl")})
+    data = _data(tiny_model_dir, predict_file=_prompt_file(tmp_path, [{"prompt": p["prompt"]} for p in PROMPTS]))
+    _trainer(tmp_path).predict(module, datamodule=data, return_predictions=False)
+    rows = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all("reward" not in r and "scores" not in r and r["completion"] for r in rows)
+    assert module.predict_scores is False
+
+
+class _FailingAt:
+    """A reward that raises on its ``at``-th call."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.calls = at, 0
+
+    def __call__(self, prompts, completions, completion_ids, **columns):
+        self.calls += 1
+        if self.calls > self.at:
+            raise RuntimeError("the reward service went away")
+        return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize("at,kept", [(0, 0), (1, 2)])
+def test_a_failed_predict_leaves_no_file_that_reads_as_complete(tiny_model_dir, tmp_path, at, kept):
+    out = tmp_path / "predictions.jsonl"
+    module = _module(tiny_model_dir, predict={"output_file": str(out), "greedy": True})
+    module.rewards.funcs[0] = _FailingAt(at)
+    data = _data(tiny_model_dir, predict_file=_prompt_file(tmp_path), val_batch_size=2)
+    with pytest.raises(Exception, match="the reward service went away"):
+        _trainer(tmp_path).predict(module, datamodule=data, return_predictions=False)
+    assert not out.exists()
+    partial = tmp_path / "predictions.jsonl.partial"
+    assert (len(partial.read_text().splitlines()) if partial.exists() else 0) == kept  # the batches done

@@ -46,9 +46,10 @@ def _number(value) -> float | None:
 
 
 class PredictionWriter(BasePredictionWriter):
-    """One JSON line per completion from ``predict_step``, written after each batch (a crash keeps what was done).
-    A SIGTERM or Ctrl-C stops ``predict`` after the batch in progress is written (the process exits with status 143
-    or 130).
+    """One JSON line per completion from ``predict_step``, written after each batch. A SIGTERM or Ctrl-C stops
+    ``predict`` after the batch in progress is written (the process exits with status 143 or 130). A failure leaves
+    no output file that reads as complete: none when nothing was written, else the batches done in
+    ``<file>.partial``.
 
     Added by :class:`~rloo_lightning.RLOOModule` (``model.predict.output_file``); idle outside ``predict``.
 
@@ -111,3 +112,17 @@ class PredictionWriter(BasePredictionWriter):
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._handle.close()
         self._handle = None  # the command's last line names the file (rloo_lightning.runtime.console.outputs_line)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # A failed predict leaves no output file that reads as the whole: none when nothing was written, else the
+        # batches done under <file>.partial, said in one line. (A stop signal keeps them in the file: said above.)
+        if self._handle is None or isinstance(exception, SIGTERMException):
+            return
+        self._handle.close()
+        self._handle = None
+        if self._written == 0:
+            self.path.unlink(missing_ok=True)
+            return
+        partial = self.path.with_name(self.path.name + ".partial")
+        self.path.replace(partial)
+        rank_zero_info(f"predict failed after {self._written} completions: they are in {partial}")

@@ -354,12 +354,13 @@ class PromptDataModule(LightningDataModule):
     def columns(self, stage: str) -> list[tuple[str, list[str]]]:
         """The columns the reward functions get in ``stage`` (those of each scored split's first row), as
         ``[(which prompts, names)]``: ``fit`` the training and validation prompts, ``validate`` the validation
-        ones, ``test`` the test ones."""
+        ones, ``test`` the test ones, ``predict`` the predict ones."""
         hp = self.hparams
         source = hp.train_file if hp.task is None else f"task {hp.task!r}"
         splits = {"fit": [("training", self.train_rows, source), ("validation", self.val_rows, hp.val_file or source)],
                   "validate": [("validation", self.val_rows, hp.val_file or source)],
-                  "test": [("test", self.test_rows, hp.test_file or hp.val_file or source)]}.get(stage, [])
+                  "test": [("test", self.test_rows, hp.test_file or hp.val_file or source)],
+                  "predict": [("predict", self.predict_rows, hp.predict_file)]}.get(stage, [])
         return [(f"the {name} prompts of {where}", sorted(rows[0]["columns"])) for name, rows, where in splits
                 if len(rows)]
 
