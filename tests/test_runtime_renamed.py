@@ -1,5 +1,6 @@
-"""The package's old module paths are gone (no shims); a class path that names one, in a config, on the command line
-or stored in a checkpoint, gets one line naming the new path (``runtime/renamed.py``), not an import error.
+"""The package's old module paths are gone (no shims); a class path that names one, in a config, on the command line,
+stored in a checkpoint or imported by path (an engine, environment, tool or reward function), gets one line naming
+the new path (``runtime/renamed.py``), not an import error.
 
 The command runs in process: ``main`` with the model loader replaced by one that fails the test, in an empty working
 directory (as in ``test_cli_option_errors.py``).
@@ -82,6 +83,35 @@ def test_the_layout_lists_every_old_module():
     rows = dict(re.findall(r"^\| `(rloo_lightning[\w.]*)` \| `(rloo_lightning[\w.]*)`", section, re.M))
     assert sorted(rows) == OLD_MODULES
     assert all(rows[old] == RENAMED[old] for old in OLD_MODULES)
+
+
+# -- where a path is imported: engines, environments, tools, reward functions ------------------------------------
+def test_each_import_by_path_names_the_new_path():
+    """``import_object`` (engines, environments, tools and reward functions resolve through it) says one line."""
+    from rloo_lightning.engines import build_engine
+    from rloo_lightning.environments import EnvironmentConfigError
+    from rloo_lightning.environments.sampler import import_environment
+    from rloo_lightning.environments.tools import resolve_tools
+    from rloo_lightning.rewards.protocol import RewardError, resolve_reward
+    from rloo_lightning.runtime.importpath import ImportPathError, import_object
+
+    old, new = ENGINES[0]
+    with pytest.raises(ImportError) as raised:
+        build_engine({"class_path": old, "init_args": {}})
+    assert str(raised.value) == f"generation engine {old} was renamed {new}: use the new path"
+    old = "rloo_lightning.exactness_multiturn.ToyEnvironment"
+    with pytest.raises(EnvironmentConfigError, match=re.escape(
+            f"environment.class_path {old} was renamed rloo_lightning.verify.exactness_multiturn.ToyEnvironment")):
+        import_environment(old, "environment.class_path")
+    with pytest.raises(EnvironmentConfigError, match=re.escape(
+            "tool rloo_lightning.multiturn.EnvCalls was renamed rloo_lightning.environments.calls.EnvCalls")):
+        resolve_tools(["rloo_lightning.multiturn.EnvCalls"])
+    with pytest.raises(RewardError, match=re.escape(
+            "rloo_lightning.rewards.shaping.clip_rewards was renamed rloo_lightning.algo.shaping.clip_rewards")):
+        resolve_reward("rloo_lightning.rewards.shaping.clip_rewards")
+    with pytest.raises(ImportPathError) as raised:
+        import_object("rloo_lightning.timing.PhaseTimer", "callback")
+    assert "\n" not in str(raised.value) and raised.value.__cause__ is None
 
 
 # -- the command: a config, the command line, a checkpoint -------------------------------------------------------

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from rloo_lightning.runtime.renamed import renamed_hint
+
 __all__ = ["DEPENDENCIES", "ImportPathError", "add_cwd_to_sys_path", "import_object", "shadowing_files"]
 
 # Top-level modules the package imports (checked even when not imported yet).
@@ -129,6 +131,8 @@ def import_object(path: str, what: str, candidates: Callable[[], Iterable[str]] 
     if not isinstance(path, str) or "." not in path.strip("."):
         raise ImportPathError(f"{what} {path!r}: expected an import path 'package.module.name'"
                               + _did_you_mean(path, candidates=candidates))
+    if (hint := renamed_hint(path)) is not None:  # an old module of the package (gone): its new path, in one line
+        raise ImportPathError(f"{what} {hint}")
     parts = path.split(".")
     errors = []
     for cut in range(len(parts) - 1, 0, -1):
