@@ -15,6 +15,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from rloo_lightning.callbacks.checkpoint import FAILURE_CHECKPOINT
 from rloo_lightning.callbacks.predict import PredictionWriter
 from rloo_lightning.callbacks.progress import StepProgressBar
 from rloo_lightning.cli_errors import error_line, parser_message, renamed_message, set_where, unknown_option_message
@@ -26,8 +27,8 @@ from rloo_lightning.data import PromptDataModule
 from rloo_lightning.engines import engine_class
 from rloo_lightning.export import checkpoint_hparams, main as export_main
 from rloo_lightning.runtime.importpath import add_cwd_to_sys_path
-from rloo_lightning.module import RLOOModule
 from rloo_lightning.runtime.renamed import renamed_path
+from rloo_lightning.module import RLOOModule
 
 __all__ = ["RLOOCLI", "main", "TRACEBACK_ENV"]
 
@@ -315,7 +316,12 @@ def _run_reporting_errors(args: list[str] | None) -> None:
                          f"(see rloo-lightning {_subcommand(args)}--help for the options)\n")
         sys.exit(2)
     except Exception as exc:  # KeyboardInterrupt and SystemExit are no Exception: they pass
-        sys.stderr.write(f"{error_line(exc)}\n(set {TRACEBACK_ENV}=1 for the full traceback)\n")
+        if sigterm.phase() == "setup" and sigterm.peer_stopped():  # another node's stop ended a collective here
+            raise SIGTERMException("a peer rank was stopped") from exc
+        # A fit that failed after its first step: the line names the checkpoint it left (FinalCheckpoint).
+        kept = FAILURE_CHECKPOINT
+        where = f"; {kept['path']} holds step {kept['step']}: resume with --ckpt_path {kept['path']}" if kept else ""
+        sys.stderr.write(f"{error_line(exc)}{where}\n(set {TRACEBACK_ENV}=1 for the full traceback)\n")
         sys.exit(1)
 
 

@@ -105,3 +105,33 @@ def test_a_reward_error_on_rank_1_in_step_3_ends_every_rank_with_one_line_keepin
         flat_g, flat_w = _flat_tensors(got[what]), _flat_tensors(want[what])
         assert flat_g.keys() == flat_w.keys() and flat_g, what
         assert not [k for k in flat_w if not torch.equal(flat_g[k], flat_w[k])], what
+
+
+# -- two nodes (one process each, as two machines sharing a file system): a stop during one node's set-up ---------
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_sigterm_to_node_1_during_set_up_ends_both_nodes_with_one_line_and_exit_143(tmp_path, tiny_model_dir,
+                                                                                      _cache_dir):
+    port = str(_free_port())
+
+    def node(rank: int) -> dict:
+        return make_env(_cache_dir, STOP_LOG=str(tmp_path / f"events-{rank}"), NODE_RANK=str(rank),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+
+    extra = [*COMMON, "--trainer.strategy", "ddp", "--trainer.num_nodes", "2", "--trainer.devices", "1"]
+    stop = ["--trainer.callbacks+=stop_helpers.SignalAt", "--trainer.callbacks.at=setup"]
+    procs = [start_cli("node0", _args(tmp_path, tiny_model_dir, *extra), tmp_path, node(0), timeout=TIMEOUT),
+             start_cli("node1", _args(tmp_path, tiny_model_dir, *extra, *stop), tmp_path, node(1), timeout=TIMEOUT)]
+    wait_all(*procs)
+    for proc in procs:
+        assert proc.rc == 143 and not proc.timed_out, proc.explain()
+        lines = [line for line in proc.stderr.splitlines() if "stopped by SIGTERM" in line or "error" in line]
+        assert len(lines) == 1 and "before the first training step" in lines[0], proc.explain()
+        assert "Traceback" not in proc.stderr and "GLHF" not in proc.stderr, proc.explain()
+    assert not list(tmp_path.rglob("*.ckpt"))

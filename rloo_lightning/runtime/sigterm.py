@@ -51,7 +51,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from rloo_lightning.runtime import framework
 
 __all__ = ["StepFailed", "abort_step", "aborted_step", "agree", "attach", "between_batches", "check", "end_step",
-           "exit_code",
+           "exit_code", "peer_stopped",
            "ignore_sigint", "install", "phase", "rank_zero", "requested", "set_phase", "sigint_held", "signal_name"]
 
 POLL_SECONDS = 1.0  # how often a generating rank asks the process group's store whether another rank was signalled
@@ -238,7 +238,25 @@ def aborted_step() -> bool:
 
 
 def _world_size() -> int:
-    return getattr(_state["trainer"], "world_size", 1) or 1
+    """The trainer's world size, or the process group's before a trainer is attached (set-up)."""
+    size = getattr(_state["trainer"], "world_size", 1) or 1
+    if size == 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        size = torch.distributed.get_world_size()
+    return size
+
+
+def peer_stopped() -> bool:
+    """Whether another rank of this process group was signalled (its handler wrote the store key): a collective
+    that failed because that rank ended is then this rank's stop too, not an error. Asks the store now."""
+    store = _store() if _world_size() > 1 else None
+    try:
+        seen = store is not None and store.check([_key()])
+    except (RuntimeError, ValueError):
+        return False
+    if seen:
+        _state["requested"] = True
+        _state["signal"] = _state["signal"] or signal.SIGTERM
+    return seen
 
 
 def _key() -> str:
