@@ -2,8 +2,8 @@
 stored in a checkpoint or imported by path (an engine, environment, tool or reward function), gets one line naming
 the new path (``runtime/renamed.py``), not an import error.
 
-The command runs in process: ``main`` with the model loader replaced by one that fails the test, in an empty working
-directory (as in ``test_cli_option_errors.py``).
+The command runs in process, as in ``test_cli_option_errors.py`` (its ``no_model`` fixture): ``main`` with the model
+loader replaced by one that fails the test, in an empty working directory.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_harness import CONFIGS
-from rloo_lightning.cli import TRACEBACK_ENV, main
+from test_cli_option_errors import QUICKSTART, _error, no_model  # noqa: F401 (a fixture)
+
+from rloo_lightning.cli import main
 from rloo_lightning.runtime.renamed import RENAMED, renamed_hint, renamed_path
 
-QUICKSTART = str(CONFIGS / "quickstart.yaml")
 LAYOUT = Path(__file__).resolve().parents[1] / "docs" / "layout.md"
 # The old modules: the table's keys that are no name inside another key.
 OLD_MODULES = sorted(k for k in RENAMED if not any(k.startswith(other + ".") for other in RENAMED))
@@ -115,42 +115,22 @@ def test_each_import_by_path_names_the_new_path():
 
 
 # -- the command: a config, the command line, a checkpoint -------------------------------------------------------
-@pytest.fixture
-def no_model(monkeypatch, tmp_path):
-    """``main`` run in an empty ``tmp_path``; loading the policy fails the test."""
-
-    def loaded(*args, **kwargs):
-        raise AssertionError("the model was loaded")
-
-    monkeypatch.setattr("rloo_lightning.policy_module.load_models", loaded)
-    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
 def _run(capsys, args: list[str]) -> tuple[int, str]:
     with pytest.raises(SystemExit) as exit_:
         main(args)
     return exit_.value.code, capsys.readouterr().err
 
 
-def _error(capsys, args: list[str], code: int) -> str:
-    rc, err = _run(capsys, args)
-    assert rc == code, err
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
 @pytest.mark.parametrize("old, new", ENGINES)
 @pytest.mark.parametrize("written", ["class_path", "short"])
-def test_a_config_naming_an_old_engine_path_gets_one_line(no_model, capsys, old, new, written):
-    path = no_model / "mine.yaml"
+@pytest.mark.usefixtures("no_model")
+def test_a_config_naming_an_old_engine_path_gets_one_line(tmp_path, capsys, old, new, written):
+    path = tmp_path / "mine.yaml"
     engine = f"{{class_path: {old}}}" if written == "class_path" else old
     path.write_text(f"model:\n  generation_engine: {engine}\n")
     assert _error(capsys, ["fit", "--config", QUICKSTART, "--config", str(path)], 2) == \
         f"error: model.generation_engine in {path}: {old} was renamed {new}: use the new path"
-    assert list(no_model.iterdir()) == [path]  # no log folder
+    assert list(tmp_path.iterdir()) == [path]  # no log folder
 
 
 @pytest.mark.parametrize("args, line", [
@@ -164,7 +144,8 @@ def test_a_config_naming_an_old_engine_path_gets_one_line(no_model, capsys, old,
      "--trainer.plugins: rloo_lightning.checkpoint_io.AtomicCheckpointIO was renamed "
      "rloo_lightning.runtime.atomic_checkpoint.AtomicCheckpointIO: use the new path"),
 ])
-def test_an_old_class_path_on_the_command_line_gets_one_line(no_model, capsys, args, line):
+@pytest.mark.usefixtures("no_model")
+def test_an_old_class_path_on_the_command_line_gets_one_line(capsys, args, line):
     assert _error(capsys, ["fit", "--config", QUICKSTART, *args], 2) == f"error: {line}"
 
 
@@ -178,11 +159,12 @@ def _checkpoint(folder: Path, engine: dict) -> Path:
 
 
 @pytest.mark.parametrize("old, new", ENGINES)
-def test_a_checkpoint_naming_an_old_engine_path_gets_one_line(no_model, capsys, tiny_model_dir, old, new):
+@pytest.mark.usefixtures("no_model")
+def test_a_checkpoint_naming_an_old_engine_path_gets_one_line(tmp_path, capsys, tiny_model_dir, old, new):
     """A resume stops with one line naming the new path and the option that rebuilds the stored engine with it;
     that option then gets past the check (to loading the model, which this test's loader refuses)."""
     init_args = {"max_num_seqs": 8} if "vllm" in old else {"return_logprobs": True}
-    ckpt = _checkpoint(no_model, {"class_path": old, "init_args": init_args})
+    ckpt = _checkpoint(tmp_path, {"class_path": old, "init_args": init_args})
     fit = ["fit", "--config", QUICKSTART, "--ckpt_path", str(ckpt)]
     line = _error(capsys, fit, 1)
     spec = json.dumps({"class_path": new, "init_args": init_args})
@@ -194,14 +176,15 @@ def test_a_checkpoint_naming_an_old_engine_path_gets_one_line(no_model, capsys, 
         assert rc == 1 and "the model was loaded" in err, err
 
 
-def test_a_checkpoint_naming_an_old_engine_path_evaluates_with_the_default_engine_after_one_line(no_model, capsys,
+@pytest.mark.usefixtures("no_model")
+def test_a_checkpoint_naming_an_old_engine_path_evaluates_with_the_default_engine_after_one_line(tmp_path, capsys,
                                                                                                 tiny_model_dir):
     old, new = ENGINES[1]
-    ckpt = _checkpoint(no_model, {"class_path": old, "init_args": {}})
-    (no_model / "prompts.jsonl").write_text('{"prompt": "abc="}\n')
+    ckpt = _checkpoint(tmp_path, {"class_path": old, "init_args": {}})
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "abc="}\n')
     rc, err = _run(capsys, ["predict", "--config", QUICKSTART, "--ckpt_path", str(ckpt),
-                            "--data.predict_file", str(no_model / "prompts.jsonl"),
-                            "--model.predict.output_file", str(no_model / "p.jsonl"),
+                            "--data.predict_file", str(tmp_path / "prompts.jsonl"),
+                            "--model.predict.output_file", str(tmp_path / "p.jsonl"),
                             "--model.model_name_or_path", str(tiny_model_dir)])
     warning = [line for line in err.splitlines() if line.startswith("warning:") and old in line]
     assert len(warning) == 1 and f"renamed {new} since" in warning[0], err
