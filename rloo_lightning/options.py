@@ -16,6 +16,8 @@ import types
 import typing
 from typing import Any, Literal
 
+from rloo_lightning.runtime.renamed import renamed_option
+
 __all__ = ["Options", "as_group", "check_choices", "check_learning_rate", "check_options", "check_range",
            "literal_choices", "parse_on_error", "set_field", "to_primitives"]
 
@@ -141,8 +143,9 @@ def as_group(cls: type, value: Any) -> Any:
     fields = {f.name for f in dataclasses.fields(cls)}
     for key in value:
         if key not in fields:
-            close = difflib.get_close_matches(key, sorted(fields), n=1)
-            hint = f"; did you mean {cls.prefix}.{close[0]}?" if close else f"; valid: {', '.join(sorted(fields))}"
+            close = [renamed_option(f"{cls.prefix}.{key}")] if renamed_option(f"{cls.prefix}.{key}") else [
+                f"{cls.prefix}.{c}" for c in difflib.get_close_matches(key, sorted(fields), n=1)]
+            hint = f"; did you mean {close[0]}?" if close else f"; valid: {', '.join(sorted(fields))}"
             raise ValueError(f"unknown option {cls.prefix}.{key}{hint}")
     return cls(**value)
 

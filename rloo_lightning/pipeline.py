@@ -1,4 +1,4 @@
-"""Fixed-lag rollouts (``rollout.max_staleness`` K >= 1): step g trains on a rollout sampled from the weights of
+"""Fixed-lag rollouts (``rollout.lag`` K >= 1): step g trains on a rollout sampled from the weights of
 step g - K, submitted to the engine K steps ahead and generated while the steps in between train. Everything of the
 lag lives here: the positions and their seeds, the set-up and resume checks, the checkpoint entry and the metrics;
 the module builds a :class:`RolloutPipeline` and calls :meth:`RolloutPipeline.rollout` from its one branch in
@@ -36,7 +36,7 @@ from rloo_lightning.rollout import Rollout
 
 __all__ = ["RolloutPipeline", "Ahead", "PipelineHost", "resumed_rollouts_ahead", "OPTION"]
 
-OPTION = "rollout.max_staleness"  # the option that sets the lag, as messages name it
+OPTION = "rollout.lag"  # the option that sets the lag, as messages name it
 
 
 @dataclass

@@ -71,7 +71,7 @@ class PolicyModule(LightningModule):
         """Sample with ``engine``: ``correction.level: auto`` becomes its ``default_correction`` (config.py)."""
         self.engine = engine
         rollout = getattr(self.cfg, "rollout", None)  # stale rollouts: auto corrects whatever the engine
-        self.cfg.correction = self._correction_given.for_engine(engine, stale=bool(rollout and rollout.max_staleness))
+        self.cfg.correction = self._correction_given.for_engine(engine, stale=bool(rollout and rollout.lag))
         check_options(self.cfg)
 
     def _check_engine(self, device: torch.device, stage: str) -> None:

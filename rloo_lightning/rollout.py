@@ -472,7 +472,7 @@ class CompletionSampler:
 
     def submit(self, using: GenerationContext, batch: dict, k: int, generation_config: GenerationConfig,
                seed: int) -> tuple:
-        """Start the sample of :meth:`sample` with the engine's ``submit`` (``rollout.max_staleness``); the handle
+        """Start the sample of :meth:`sample` with the engine's ``submit`` (``rollout.lag``); the handle
         for :meth:`collect`."""
         prompt_ids = batch["input_ids"].repeat_interleave(k, dim=0)
         prompt_mask = batch["attention_mask"].repeat_interleave(k, dim=0)

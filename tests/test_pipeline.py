@@ -1,4 +1,4 @@
-"""Fixed-lag rollouts (``rollout.max_staleness`` K): step g trains on the rollout sampled from the weights of step
+"""Fixed-lag rollouts (``rollout.lag`` K): step g trains on the rollout sampled from the weights of step
 g - K, with the prompts the loader hands to step g; seeded as K = 0 seeds them; corrected by default; held in
 checkpoints so that a resume ends where the uninterrupted run does; a lag change and a data module that cannot
 give a later batch are refused. In-process fits of the tiny model (the CLI and SIGTERM runs are in
@@ -71,7 +71,7 @@ class Metrics(Callback):
 def _fit(model_dir, root, max_steps: int, lag: int, engine=None, callbacks=(), ckpt_path=None, rows: int = 16,
          accumulate: int = 1, repeat: int = 1, **groups) -> RLOOModule:
     module = RLOOModule(model_dir, rewards={"funcs": [REWARD]}, sampling={"k": 2, "max_new_tokens": 6},
-                        rollout={"max_staleness": lag}, generation_engine=engine,
+                        rollout={"lag": lag}, generation_engine=engine,
                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), **groups)
     data = PromptDataModule(tokenizer_name_or_path=model_dir, task="reverse", batch_size=4, num_train_rows=rows,
                             num_val_rows=4, max_new_tokens=6, repeat_batches=repeat)
@@ -86,18 +86,18 @@ def _fit(model_dir, root, max_steps: int, lag: int, engine=None, callbacks=(), c
 
 # -- the pieces -------------------------------------------------------------------------------------
 def test_the_option_is_checked_and_auto_corrects_stale_rollouts():
-    with pytest.raises(ValueError, match="rollout.max_staleness must be an integer >= 0"):
-        RolloutArgs(max_staleness=-1)
-    with pytest.raises(ValueError, match="rollout.max_staleness"):
-        RolloutArgs(max_staleness=True)
+    with pytest.raises(ValueError, match="rollout.lag must be an integer >= 0"):
+        RolloutArgs(lag=-1)
+    with pytest.raises(ValueError, match="rollout.lag"):
+        RolloutArgs(lag=True)
     plain = GenerationEngine()
     assert CorrectionArgs().for_engine(plain).level == "none"
     assert CorrectionArgs().for_engine(plain, stale=True).level == "token"
     assert CorrectionArgs(level="none").for_engine(plain, stale=True).level == "none"  # an explicit choice stays
-    module = RLOOModule("tiny:reverse", rewards={"funcs": [REWARD]}, rollout={"max_staleness": 1})
+    module = RLOOModule("tiny:reverse", rewards={"funcs": [REWARD]}, rollout={"lag": 1})
     assert (module.cfg.correction.level, module.cfg.correction.cap) == ("token", 2.0)
     assert module.engine.reports_logprobs is True  # the default engine reports the sampler's log-probs
-    assert module.hparams["rollout"] == {"max_staleness": 1} and module.hparams["correction"]["level"] == "auto"
+    assert module.hparams["rollout"] == {"lag": 1} and module.hparams["correction"]["level"] == "auto"
 
 
 @pytest.mark.parametrize("replicas,repeat", [(1, 1), (2, 1), (1, 3), (2, 2)])
@@ -195,12 +195,12 @@ def test_updates_per_rollout_counts_into_the_age_of_a_rollout(tiny_model_dir, tm
 def test_a_resume_with_another_lag_is_refused(tiny_model_dir, tmp_path):
     _fit(tiny_model_dir, tmp_path / "a", 2, 1)
     ckpt = tmp_path / "a" / "ckpt" / "epoch=0-step=2.ckpt"
-    with pytest.raises(ValueError, match=r"rollout.max_staleness=2, but this checkpoint was trained with 1"):
+    with pytest.raises(ValueError, match=r"rollout.lag=2, but this checkpoint was trained with 1"):
         _fit(tiny_model_dir, tmp_path / "b", 4, 2, ckpt_path=ckpt)
-    with pytest.raises(ValueError, match=r"rollout.max_staleness=0, but this checkpoint was trained with 1"):
+    with pytest.raises(ValueError, match=r"rollout.lag=0, but this checkpoint was trained with 1"):
         _fit(tiny_model_dir, tmp_path / "c", 4, 0, ckpt_path=ckpt)
     _fit(tiny_model_dir, tmp_path / "d", 2, 0)
-    with pytest.raises(ValueError, match=r"rollout.max_staleness=1, but this checkpoint was trained with 0"):
+    with pytest.raises(ValueError, match=r"rollout.lag=1, but this checkpoint was trained with 0"):
         _fit(tiny_model_dir, tmp_path / "e", 4, 1, ckpt_path=tmp_path / "d" / "ckpt" / "epoch=0-step=2.ckpt")
 
 
@@ -209,12 +209,12 @@ class _NoLookAhead(PromptDataModule):
 
 
 def test_a_data_module_that_cannot_give_a_later_batch_is_refused_before_any_step(tiny_model_dir, tmp_path):
-    module = RLOOModule(tiny_model_dir, rewards={"funcs": [REWARD]}, rollout={"max_staleness": 1})
+    module = RLOOModule(tiny_model_dir, rewards={"funcs": [REWARD]}, rollout={"lag": 1})
     data = _NoLookAhead(tokenizer_name_or_path=tiny_model_dir, task="reverse", batch_size=4, num_train_rows=8,
                         num_val_rows=4)
     trainer = Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
                       default_root_dir=str(tmp_path), limit_val_batches=0)
-    with pytest.raises(ValueError, match=r"rollout.max_staleness=1 .* needs a data module with train_batch"):
+    with pytest.raises(ValueError, match=r"rollout.lag=1 .* needs a data module with train_batch"):
         trainer.fit(module, datamodule=data)
     assert module.policy is None  # refused at setup, before the model loaded
 
@@ -229,7 +229,7 @@ def test_a_loader_batch_that_is_not_the_one_sampled_ahead_is_caught(tiny_model_d
 def test_dynamic_sampling_and_validation_run_with_a_lag(tiny_model_dir, tmp_path):
     metrics = Metrics()
     module = RLOOModule(tiny_model_dir, rewards={"funcs": [REWARD]}, sampling={"k": 2, "max_new_tokens": 6},
-                        rollout={"max_staleness": 1}, dynamic_sampling={"enabled": True, "max_rounds": 2},
+                        rollout={"lag": 1}, dynamic_sampling={"enabled": True, "max_rounds": 2},
                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
     data = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, task="reverse", batch_size=4, num_train_rows=16,
                             num_val_rows=4, max_new_tokens=6)
@@ -265,7 +265,7 @@ def test_nothing_is_in_flight_between_steps_with_or_without_checkpoint_callbacks
     # The drain at a step's end is the module's own (its optimizer step), not a side effect of a checkpoint callback
     # building the module's checkpoint entries.
     module = RLOOModule(tiny_model_dir, rewards={"funcs": [REWARD]}, sampling={"k": 2, "max_new_tokens": 6},
-                        rollout={"max_staleness": 2})
+                        rollout={"lag": 2})
     data = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, task="reverse", batch_size=4, num_train_rows=16,
                             num_val_rows=4, max_new_tokens=6)
     seen = InFlight()
@@ -279,12 +279,12 @@ def test_nothing_is_in_flight_between_steps_with_or_without_checkpoint_callbacks
 
 def test_an_accumulation_schedule_is_refused_at_setup_naming_the_callback(tiny_model_dir, tmp_path):
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
-    module = RLOOModule(tiny_model_dir, rewards={"funcs": [REWARD]}, rollout={"max_staleness": 1})
+    module = RLOOModule(tiny_model_dir, rewards={"funcs": [REWARD]}, rollout={"lag": 1})
     data = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, task="reverse", batch_size=4, num_train_rows=8,
                             num_val_rows=4)
     trainer = Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
                       default_root_dir=str(tmp_path), limit_val_batches=0,
                       callbacks=[GradientAccumulationScheduler({0: 1, 1: 2})])
-    with pytest.raises(ValueError, match=r"rollout.max_staleness=1 .* GradientAccumulationScheduler changes it"):
+    with pytest.raises(ValueError, match=r"rollout.lag=1 .* GradientAccumulationScheduler changes it"):
         trainer.fit(module, datamodule=data)
     assert module.policy is None  # refused at setup, before the model loaded

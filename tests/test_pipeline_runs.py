@@ -1,4 +1,4 @@
-"""Fixed-lag rollouts (``rollout.max_staleness``) through the CLI: a SIGTERM inside a step whose submission is
+"""Fixed-lag rollouts (``rollout.lag``) through the CLI: a SIGTERM inside a step whose submission is
 sampling the rollout K steps ahead keeps the step before, as a stop at that step's end does, and the resumed run ends
 where the uninterrupted one does; two ranks under DDP resume bit-identically and FSDP2 trains with a lag; multi-turn
 episodes are sampled ahead too. Every run is a subprocess, started together where independent."""
@@ -17,7 +17,7 @@ from run_helpers import _assert_same_tensors, _load
 
 pytestmark = pytest.mark.slow  # CLI subprocesses
 
-LAG = ["--model.rollout.max_staleness", "1"]
+LAG = ["--model.rollout.lag", "1"]
 
 
 def _args(root: Path, model_dir: str, steps: int, *extra: str, config: str = "quickstart.yaml") -> list[str]:

@@ -190,3 +190,27 @@ def test_a_checkpoint_naming_an_old_engine_path_evaluates_with_the_default_engin
     assert len(warning) == 1 and f"renamed {new} since" in warning[0], err
     assert "samples with the default engine" in warning[0]
     assert rc == 1 and "the model was loaded" in err, err  # on to loading the model
+
+
+# -- renamed options: the old name answered with the new one ------------------------------------------------------
+def test_a_renamed_option_is_answered_with_its_new_name_in_python_on_the_command_line_and_in_a_config(tmp_path):
+    from rloo_lightning.config import RolloutArgs
+    from rloo_lightning.options import as_group
+    from rloo_lightning.runtime.renamed import renamed_option
+
+    assert renamed_option("rollout.max_staleness") == "rollout.lag"
+    assert renamed_option("--model.rollout.max_staleness") == "--model.rollout.lag"
+    assert renamed_option("rollout.lag") is None
+    with pytest.raises(ValueError, match=r"unknown option rollout.max_staleness; did you mean rollout.lag\?"):
+        as_group(RolloutArgs, {"max_staleness": 1})
+    assert as_group(RolloutArgs, {"lag": 2}).lag == 2
+
+
+def test_the_old_lag_option_on_the_command_line_and_in_a_config_names_the_new_one(no_model, capsys):
+    base = ["fit", "--config", str(QUICKSTART)]
+    line = _error(capsys, [*base, "--model.rollout.max_staleness", "1"], 2)
+    assert line == "error: unknown option --model.rollout.max_staleness; did you mean --model.rollout.lag?"
+    (no_model / "old.yaml").write_text("model:\n  rollout:\n    max_staleness: 1\n")
+    line = _error(capsys, [*base, "--config", str(no_model / "old.yaml")], 2)
+    assert line == f"error: unknown option model.rollout.max_staleness in {no_model / 'old.yaml'}; did you mean " \
+                   "model.rollout.lag?"

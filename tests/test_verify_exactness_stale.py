@@ -1,4 +1,4 @@
-"""Stale rollouts (``rollout.max_staleness`` K = 1) through the module's own pipeline, against the exact gradient.
+"""Stale rollouts (``rollout.lag`` K = 1) through the module's own pipeline, against the exact gradient.
 
 ``rloo_lightning.verify.exactness_stale.check_stale_training_step`` runs the pipeline from fit start on the real
 ``training_step``: step 0, with the policy at ``theta_0`` (the toy's table), submits positions 0 and 1 through the
@@ -57,7 +57,7 @@ def test_step_k_trains_on_the_rollout_sampled_at_step_0(toy, theta_1, lag):
     """The module's own metrics say so: staleness K, and a sampler mismatch that is the perturbation's (zero when
     theta_1 is theta_0). The module is left as it was (no trainer, nothing in its pipeline)."""
     for table, mismatched in [(toy.policy_table, False), (theta_1, True)]:
-        module = toy_module(toy, {"rollout": {"max_staleness": lag}}, engine=LiveTableSampler(toy))
+        module = toy_module(toy, {"rollout": {"lag": lag}}, engine=LiveTableSampler(toy))
         draws = stale_step_draws(module, ToyPrompts(toy, 2), toy.policy_table, table, 2)
         stats = module._last_stats
         assert draws.shape == (2, toy.policy_table.numel()) and torch.isfinite(draws).all()
@@ -103,7 +103,7 @@ class _SamplesAtCollect(LiveTableSampler):
 def test_the_bias_comes_from_the_weights_at_submission(toy, theta_1):
     """The uncorrected step's bias is the stale samples': the same step on an engine that samples at ``collect``
     (from ``theta_1``: on-policy, against ``submit``'s contract) is unbiased, with no correction."""
-    module = toy_module(toy, {"rollout": {"max_staleness": 1}, "correction": {"level": "none"}},
+    module = toy_module(toy, {"rollout": {"lag": 1}, "correction": {"level": "none"}},
                         engine=_SamplesAtCollect(toy))
     draws = stale_step_draws(module, ToyPrompts(toy, 16), toy.policy_table, theta_1, DRAWS)
     result = z_test(draws, exact_gradient(dataclasses.replace(toy, policy_table=theta_1), 0.1))

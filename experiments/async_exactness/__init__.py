@@ -1,4 +1,4 @@
-"""The study: stale rollouts (rollout.max_staleness K = 1) through the module's pipeline against the exact gradient.
+"""The study: stale rollouts (rollout.lag K = 1) through the module's pipeline against the exact gradient.
 
 Its README.md holds the command and the results.
 """

@@ -1,6 +1,6 @@
 """Stale rollouts through the module's own pipeline against the exact gradient: bias of each importance correction.
 
-With ``rollout.max_staleness`` K = 1, step 1 of a fit trains on the rollout that the module's
+With ``rollout.lag`` K = 1, step 1 of a fit trains on the rollout that the module's
 :class:`~rloo_lightning.pipeline.RolloutPipeline` submitted at step 0. The enumerable toy of
 ``rloo_lightning/verify/exactness.py`` makes that happen on the real ``training_step``
 (:func:`~rloo_lightning.verify.exactness_stale.check_stale_training_step`): step 0 with the policy at ``theta_0`` (the toy's
@@ -75,7 +75,7 @@ def measure(toy, theta_1: torch.Tensor, correction: dict, draws: int, repeats: i
     # relative bias an unbiased estimator would show with these draws (its noise floor).
     norm2 = float((sample.mean(0) - exact).pow(2).sum())
     floor2 = float(sample.var(0).sum()) / draws
-    resolved = toy_module(toy, {"rollout": {"max_staleness": LAG}, **(options or {})},
+    resolved = toy_module(toy, {"rollout": {"lag": LAG}, **(options or {})},
                           engine=LiveTableSampler(toy)).cfg.correction
     return {"correction_resolved": {"level": resolved.level, "mode": resolved.mode, "cap": resolved.cap},
             **dataclasses.asdict(z),
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
         cells = {name: measure(toy, theta_1, CORRECTIONS[name], draws, args.repeats, args.seed, args.alpha)
                  for name in args.corrections}
         results.append({"scale": scale, **mismatch(toy, theta_1), "corrections": cells})
-    report = {"study": "async_exactness", "max_staleness": LAG, "draws": draws, "repeats": args.repeats,
+    report = {"study": "async_exactness", "lag": LAG, "draws": draws, "repeats": args.repeats,
               "k": 4, "beta": BETA, "prompts": len(toy.prompts), "alpha": args.alpha, "seed": args.seed,
               "torch_threads": 1, "wall_s": round(time.perf_counter() - start, 1), "results": results}
     print(json.dumps(report))

@@ -1,4 +1,4 @@
-"""The study: learning with a fixed rollout lag K (rollout.max_staleness) and vLLM as the rollout engine.
+"""The study: learning with a fixed rollout lag K (rollout.lag) and vLLM as the rollout engine.
 
 Its README.md holds the command and the results.
 """

@@ -1,4 +1,4 @@
-"""Learning with a fixed lag K (``rollout.max_staleness``) and vLLM as the rollout engine, on the quickstart's task.
+"""Learning with a fixed lag K (``rollout.lag``) and vLLM as the rollout engine, on the quickstart's task.
 
     # in the environment scripts/vllm_cpu_env.sh builds:
     python -m experiments.async_learning.async_learning --out experiments/async_learning/async_learning.json
@@ -44,7 +44,7 @@ def _command(model: Path, root: Path, lag: int, seed: int, args) -> list[str]:
             "--model.model_name_or_path", str(model), "--trainer.max_steps", str(args.steps),
             "--trainer.val_check_interval", str(args.steps), "--data.num_val_rows", str(args.val_rows),
             "--seed_everything", str(seed), "--model.sampling.seed", str(seed),
-            "--model.rollout.max_staleness", str(lag),
+            "--model.rollout.lag", str(lag),
             "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(root), *ENGINE]
 
 

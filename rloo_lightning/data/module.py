@@ -472,7 +472,7 @@ class PromptDataModule(LightningDataModule):
 
     def train_batch(self, position: int) -> dict:
         """The batch this rank's training loader yields after ``position`` batches (repeats counted), collated as
-        the loader collates it: ``rollout.max_staleness`` samples a later step's prompts ahead of that step."""
+        the loader collates it: ``rollout.lag`` samples a later step's prompts ahead of that step."""
         if getattr(self, "_train_sampler", None) is None:
             self.train_dataloader()
         return self._collate()(self.train_rows.__getitems__(self._train_sampler.batch_at(position)))

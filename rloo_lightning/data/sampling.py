@@ -71,7 +71,7 @@ class ResumableSampler(DistributedSampler):
 
     def batch_at(self, position: int) -> list[int]:
         """The dataset indices of the batch this rank's loader yields after ``position`` batches (repeats
-        counted), without iterating: fixed-lag rollouts (``rollout.max_staleness``) sample a later step's prompts
+        counted), without iterating: fixed-lag rollouts (``rollout.lag``) sample a later step's prompts
         ahead of it."""
         epoch, done = divmod(position, self._per_epoch())
         return self._batches(epoch)[done // self.repeat].tolist()

@@ -79,13 +79,13 @@ class GenerationEngine:
         raise NotImplementedError
 
     #: Whether :meth:`submit` returns before its sampling is done, so that it runs while the trainer computes
-    #: (``rollout.max_staleness >= 1``). False: :meth:`submit` samples at once (the default below).
+    #: (``rollout.lag >= 1``). False: :meth:`submit` samples at once (the default below).
     overlaps: bool = False
 
     def submit(self, model, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor,
                generation_config: GenerationConfig, seed: int):
         """Start sampling what :meth:`generate` would return for these arguments, from the weights as they are now,
-        and return a handle for :meth:`collect` (``rollout.max_staleness >= 1``).
+        and return a handle for :meth:`collect` (``rollout.lag >= 1``).
 
         Contract, for an engine that overlaps (:attr:`overlaps` True):
             - the sample is a function of the weights at this call: an :meth:`on_weights_updated` that follows, and

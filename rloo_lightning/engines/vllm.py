@@ -22,7 +22,7 @@ function of (weights, prompts, seed): on a CPU a resumed run replays the same ro
 never imports vLLM: this module is the trainer's side; the child's side (``vllm_child.py``) imports vLLM only inside
 the child.
 
-Overlap (``rollout.max_staleness >= 1``, :attr:`VLLMEngine.overlaps`): :meth:`~VLLMEngine.submit` sends a generate
+Overlap (``rollout.lag >= 1``, :attr:`VLLMEngine.overlaps`): :meth:`~VLLMEngine.submit` sends a generate
 request and returns at once; :meth:`~VLLMEngine.collect` waits for its answer. Requests carry ids and the child
 answers them one at a time, in the order sent; an answer that comes while the trainer waits for another is kept
 until collected (a synchronous :meth:`~VLLMEngine.generate` sent behind a submitted request gets its answer second).
@@ -119,7 +119,7 @@ class VLLMEngine(GenerationEngine):
         sampler_temperature: sample at this temperature instead of ``sampling.temperature`` (the log-probs follow
             it): a sampler that differs from pi_theta by a known amount, to test the correction.
         threads: the child's torch / OpenMP threads (its ``OMP_NUM_THREADS``). Default: the trainer's
-            ``torch.get_num_threads()`` when the child starts. With ``rollout.max_staleness >= 1`` the engine
+            ``torch.get_num_threads()`` when the child starts. With ``rollout.lag >= 1`` the engine
             generates while the trainer trains, so on a CPU the two share the cores: give each its part (e.g. 1
             and 1 on 2 cores; ``python -m benchmarks async_step`` measures the splits).
 
@@ -130,7 +130,7 @@ class VLLMEngine(GenerationEngine):
     ends the completion at the first stop string, as with every engine (the tokens after it cost time only).
 
     Overlap: :meth:`submit` sends the request and returns; the child generates while the trainer trains, and
-    :meth:`collect` waits for the answer (``rollout.max_staleness``). A push waits for every pending request first,
+    :meth:`collect` waits for the answer (``rollout.lag``). A push waits for every pending request first,
     so the overlap spans one step (see the module docstring).
 
     Default correction: the engine is not pi_theta (other kernels, and with ``dtype`` another precision), so with

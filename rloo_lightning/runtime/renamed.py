@@ -9,7 +9,7 @@ command's option errors (:mod:`rloo_lightning.cli_errors`). ``docs/layout.md`` l
 
 from __future__ import annotations
 
-__all__ = ["RENAMED", "renamed_path", "renamed_hint"]
+__all__ = ["RENAMED", "RENAMED_OPTIONS", "renamed_path", "renamed_hint", "renamed_option"]
 
 _PKG = "rloo_lightning"
 
@@ -66,3 +66,20 @@ def renamed_hint(path: str) -> str | None:
     """``"<path> was renamed <new path>: use the new path"`` for a path that names an old module, else None."""
     new = renamed_path(path)
     return None if new is None else f"{path.strip()} was renamed {new}: use the new path"
+
+
+# old option -> new option (of the model's option groups): the old name answered with the new one.
+RENAMED_OPTIONS: dict[str, str] = {
+    "rollout.max_staleness": "rollout.lag",  # a fixed lag, not a maximum (docs/async.md)
+}
+
+
+def renamed_option(key: str) -> str | None:
+    """The new name of an option that was renamed, as ``key`` is written (``rollout.max_staleness``,
+    ``model.rollout.max_staleness`` or ``--model.rollout.max_staleness``), else None."""
+    prefix = "--" if key.startswith("--") else ""
+    rest = key[len(prefix):]
+    scope = "model." if rest.startswith("model.") else ""
+    new = RENAMED_OPTIONS.get(rest[len(scope):])
+    return None if new is None else f"{prefix}{scope}{new}"
+

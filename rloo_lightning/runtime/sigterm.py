@@ -255,7 +255,7 @@ def peer_stopped() -> bool:
         return False
     if seen:
         _state["requested"] = True
-        _state["signal"] = _state["signal"] or signal.SIGTERM
+        _state["signal"] = _state["signal"] or signal.SIGTERM  # as the peer's (a scheduler's stop)
     return seen
 
 
@@ -281,14 +281,7 @@ def _peer_signalled() -> bool:
     if now - _state["polled"] < POLL_SECONDS:
         return False
     _state["polled"] = now
-    store = _store()
-    try:
-        seen = store is not None and store.check([_key()])
-    except (RuntimeError, ValueError):
-        return False
-    if seen:
-        _state["requested"] = True
-    return seen
+    return peer_stopped()
 
 
 def _handler(signum, frame) -> None:

@@ -22,7 +22,7 @@ Shapes: ``P`` prompts, ``L`` max completion length, ``S`` positions, ``V`` vocab
 tokenizer, ``W = 3`` completion tokens, ``k`` completions per prompt, ``n`` draws,
 ``D = S * V * W`` coordinates of the table.
 
-Stale rollouts (``rollout.max_staleness`` K >= 1) are checked through the module's own pipeline in
+Stale rollouts (``rollout.lag`` K >= 1) are checked through the module's own pipeline in
 :mod:`rloo_lightning.verify.exactness_stale`, on this module's toy, module and verdict.
 
 Multi-turn episodes (two policy turns around a stochastic reply) are checked the same way in
@@ -245,7 +245,7 @@ class LiveTableSampler(TableSampler):
     """A :class:`TableSampler` that samples from the table of the ``model`` it is given, as that table is at the
     call, and reports its log-probs: an engine with the policy's weights of the moment, as the default engine is.
 
-    Under ``rollout.max_staleness`` K the module submits a rollout K steps ahead (``GenerationEngine.submit``, whose
+    Under ``rollout.lag`` K the module submits a rollout K steps ahead (``GenerationEngine.submit``, whose
     default samples at once): the samples then come from the weights at submission, whatever the policy holds when
     the step that trains on them computes its loss. Positions and temperature are still computed here.
     """

@@ -1,4 +1,4 @@
-"""Stale rollouts (``rollout.max_staleness`` K >= 1) through the module's own pipeline, against the exact gradient.
+"""Stale rollouts (``rollout.lag`` K >= 1) through the module's own pipeline, against the exact gradient.
 
 :func:`check_stale_training_step` has step 0 submit its rollouts ahead from one table (``theta_0``) and step K train
 on one of them with the policy at another (``theta_1``), against ``grad J`` at ``theta_1`` (the toy, the module and
@@ -63,7 +63,7 @@ def _load_table(module, table: Tensor) -> None:
 
 
 def stale_step_draws(module, datamodule, theta_0: Tensor, theta_1: Tensor, num_draws: int) -> Tensor:
-    """``[n, D]``: ``-grad`` of ``module.training_step``'s loss at optimizer step K (``rollout.max_staleness``) with
+    """``[n, D]``: ``-grad`` of ``module.training_step``'s loss at optimizer step K (``rollout.lag``) with
     the policy at ``theta_1``, on the rollout that the module's pipeline sampled at step 0 from ``theta_0``.
 
     Each draw runs the pipeline from fit start: the module's :class:`~rloo_lightning.pipeline.RolloutPipeline` is
@@ -75,9 +75,9 @@ def stale_step_draws(module, datamodule, theta_0: Tensor, theta_1: Tensor, num_d
     (:class:`LiveTableSampler`); each draw's samples are fresh (its call counter). The module's trainer is restored
     afterwards, its pipeline emptied.
     """
-    lag = module.cfg.rollout.max_staleness
+    lag = module.cfg.rollout.lag
     if lag < 1:
-        raise ValueError(f"stale_step_draws needs a module with rollout.max_staleness >= 1, got {lag}")
+        raise ValueError(f"stale_step_draws needs a module with rollout.lag >= 1, got {lag}")
     trainer, saved = StaleRunTrainer(datamodule), framework.module_trainer(module)
     module.trainer = trainer
     draws = []
@@ -107,11 +107,11 @@ def stale_step_draws(module, datamodule, theta_0: Tensor, theta_1: Tensor, num_d
 
 def stale_training_step_draws(toy: Toy, theta_1: Tensor, num_draws: int, repeats: int = 16,
                               options: dict | None = None, seed: int = 0, lag: int = 1) -> Tensor:
-    """``[n, D]`` float64: :func:`stale_step_draws` of a toy module with ``rollout.max_staleness`` ``lag`` (unless
+    """``[n, D]`` float64: :func:`stale_step_draws` of a toy module with ``rollout.lag`` ``lag`` (unless
     ``options["rollout"]`` sets it) and a :class:`LiveTableSampler`, from the toy's table (``theta_0``) to
     ``theta_1``."""
     options = {group: dict(values) for group, values in (options or {}).items()}
-    options.setdefault("rollout", {}).setdefault("max_staleness", lag)
+    options.setdefault("rollout", {}).setdefault("lag", lag)
     module = toy_module(toy, options, seed, engine=LiveTableSampler(toy, seed))
     return stale_step_draws(module, ToyPrompts(toy, repeats), toy.policy_table, theta_1, num_draws)
 
