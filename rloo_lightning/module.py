@@ -359,9 +359,10 @@ class RLOOModule(PolicyModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         # The step's end: nothing in flight between steps (a checkpoint holds whole rollouts ahead; pipeline.py).
-        # Before the update, so that an engine that fails here leaves the weights of the step before.
+        # Before the update, and agreed by every rank: an engine failing here ends every rank with the step before.
         if self.pipeline is not None:
-            self.pipeline.drain()
+            with self.ranks_agree("collecting the rollouts ahead"):
+                self.pipeline.drain()
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
         if grads and not self.guard.finite(self.reduce_across_ranks, *grads):
             self._on_nonfinite("gradient")
