@@ -150,3 +150,10 @@ def test_init_files_only_re_export():
         "__init__.py files hold only a docstring, imports, __all__ and simple assignments; move the rest "
         "into a module named by its role:\n" + "\n".join(offenders)
     )
+
+
+def test_no_module_of_the_package_is_over_500_lines_and_the_step_over_450():
+    """A reader meets modules of one concern each; module.py (the step) reads top to bottom."""
+    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long
+    assert len((ROOT / "module.py").read_text().splitlines()) <= 450
