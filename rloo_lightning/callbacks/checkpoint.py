@@ -8,32 +8,27 @@ import shutil
 import time
 from typing import Protocol, runtime_checkable
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from rloo_lightning.callbacks.checkpoint_space import LAST, checkpoint_bytes, is_local, same_path, space_problem
 from rloo_lightning.runtime import framework, sigterm
 from rloo_lightning.runtime.atomic_checkpoint import (
-    MB,
     NoSpaceError,
     atomic_copy,
-    free_bytes,
     install_atomic_checkpoint_io,
-    nearest_existing,
     no_space_error,
     remove_stale_temps,
     replace_path,
     saves_a_folder,
     staging_path,
 )
-from rloo_lightning.runtime.checkpoint_check import optimizer_state_ratio
 
 __all__ = ["FinalCheckpoint", "HasCheckpointEntries", "FAILURE_CHECKPOINT"]
 
-LAST = "last.ckpt"
 #: After a fit that failed past its first step: ``{"path", "step"}`` of the ``last.ckpt`` it leaves (the CLI's last
 #: line names it); empty when none was written.
 FAILURE_CHECKPOINT: dict = {}
@@ -156,7 +151,7 @@ class FinalCheckpoint(Callback):
         folder = self.dirpath(trainer)
         message = None
         if trainer.is_global_zero and "://" not in folder:  # a local folder (ModelCheckpoint resolves file://)
-            message = _space_problem(trainer, folder, size)
+            message = space_problem(trainer, folder, size)
         message = trainer.strategy.broadcast(message)
         if message:
             raise NoSpaceError(message, folder)
@@ -263,7 +258,7 @@ class FinalCheckpoint(Callback):
         return any(
             isinstance(cb, ModelCheckpoint)
             and cb.save_last
-            and _same_path(cb.last_model_path, target)
+            and same_path(cb.last_model_path, target)
             and framework.last_saved_step(cb) == trainer.global_step
             for cb in trainer.checkpoint_callbacks)
 
@@ -290,7 +285,7 @@ class FinalCheckpoint(Callback):
         before = sigterm.phase()
         sigterm.set_phase("saving")  # a SIGTERM during the write waits for it
         try:
-            if saves_a_folder(trainer.strategy) and _is_local(target):
+            if saves_a_folder(trainer.strategy) and is_local(target):
                 staged = trainer.strategy.broadcast(staging_path(target))  # rank 0's name, the same on every rank
                 try:
                     _write(trainer, staged, rewind)  # ends with a barrier: every shard is written
@@ -319,13 +314,13 @@ class FinalCheckpoint(Callback):
         takes the same branch and meets the barrier after the copy.
         """
         source = str(trainer.ckpt_path)
-        if _same_path(source, target):
+        if same_path(source, target):
             self._saved_step = trainer.global_step  # resumed from last.ckpt itself: it is the newest
             return
         copy = (
-            _is_local(source)
-            and _is_local(target)
-            and _same_path(os.path.dirname(source), os.path.dirname(target))  # else no stale last.ckpt here
+            is_local(source)
+            and is_local(target)
+            and same_path(os.path.dirname(source), os.path.dirname(target))  # else no stale last.ckpt here
             and os.path.exists(source)
         )
         if collective:
@@ -337,89 +332,6 @@ class FinalCheckpoint(Callback):
         if collective:
             trainer.strategy.barrier("FinalCheckpoint.refresh")
         self._saved_step = trainer.global_step
-
-
-def checkpoint_bytes(trainer: Trainer, pl_module: LightningModule) -> int:
-    """About how many bytes a checkpoint of this fit holds, before its first step: a lower bound.
-
-    The trainable parameters, each with its optimizer's state (:func:`optimizer_state_ratio`: AdamW's two moments
-    make a parameter count 3 times; the state itself exists only after a first step), and the persistent buffers.
-    Whole sizes on every rank: a DTensor's (FSDP2) is its global size, a ZeRO-3 parameter's its ``ds_numel``;
-    under ``FSDPStrategy`` (FSDP1, whose parameters are this rank's shards) the ranks' sums are added up (a
-    collective). Not counted: frozen parameters (LoRA's base is not saved; a frozen part another module saves makes
-    the estimate low), the pickled structure and small entries, a reference model saved under
-    ``kl.ref_sync_steps`` (estimated against written, measured: see ``docs/reliability.md``, "A full disk").
-    """
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    ratios: dict[int, float] = {}
-    for optimizer in trainer.optimizers:
-        ratio = optimizer_state_ratio(optimizer)
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                ratios[id(param)] = max(ratio, ratios.get(id(param), 0.0))
-    fsdp1 = isinstance(trainer.strategy, FSDPStrategy)
-    whole = shards = 0.0
-    for param in pl_module.parameters():
-        if not param.requires_grad:
-            continue
-        numel = getattr(param, "ds_numel", None)  # DeepSpeed ZeRO-3: a placeholder here, ds_numel is the whole
-        nbytes = (param.numel() if numel is None else numel) * param.element_size() * (1 + ratios.get(id(param), 0.0))
-        if fsdp1 and numel is None:
-            shards += nbytes
-        else:
-            whole += nbytes
-    seen: set[int] = set()
-    for module in pl_module.modules():
-        for _, buffer in framework.persistent_buffers(module):
-            if buffer is not None and id(buffer) not in seen:
-                seen.add(id(buffer))
-                whole += buffer.numel() * buffer.element_size()
-    if fsdp1:
-        total = torch.tensor(shards, dtype=torch.float64, device=trainer.strategy.root_device)
-        shards = float(trainer.strategy.reduce(total, reduce_op="sum"))
-    return int(whole + shards)
-
-
-def _space_problem(trainer: Trainer, folder: str, size: int) -> str | None:
-    """Why the filesystem of ``folder`` cannot take this fit's checkpoints (see :meth:`FinalCheckpoint.check_space`),
-    or None."""
-    device = os.stat(nearest_existing(folder)).st_dev
-    others, folders = 0, {os.path.realpath(folder)}
-    validating = trainer.limit_val_batches != 0
-    for cb in trainer.checkpoint_callbacks:
-        if not isinstance(cb, ModelCheckpoint) or cb.dirpath is None or "://" in str(cb.dirpath):
-            continue
-        path = str(cb.dirpath)
-        if os.stat(nearest_existing(path)).st_dev != device:
-            continue  # another filesystem's space is its own
-        saves = validating or framework.saves_within_epoch(cb)
-        if not saves:
-            continue  # only at an epoch's end, which this fit may never reach: left out, the estimate stays low
-        folders.add(os.path.realpath(path))
-        others += max(cb.save_top_k, 1) if cb.save_top_k != 0 else 0  # -1 (keep all): at least one
-        own_last = os.path.join(path, cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION)
-        if cb.save_last is True and not _same_path(own_last, os.path.join(folder, LAST)):
-            others += 1
-    at_once = 1 + others + 1  # last.ckpt, the ModelCheckpoints' files, the one being written beside them
-    there = sum(_tree_bytes(entry.path) for path in folders if os.path.isdir(path)
-                for entry in os.scandir(path) if entry.name.endswith(".ckpt"))
-    need = max(size, at_once * size - there)
-    free = free_bytes(folder)
-    if free >= need:
-        return None
-    kept = f"last.ckpt, {others} kept by ModelCheckpoint" if others else "last.ckpt"
-    less = f", less {there / MB:.1f} MB of checkpoints already there" if there else ""
-    return (f"not enough space in {folder} for this fit's checkpoints: {free / MB:.1f} MB free, ~{need / MB:.1f} MB "
-            f"needed (a checkpoint of ~{size / MB:.1f} MB, {at_once} at once: {kept} and the next one written beside "
-            f"them{less}); free some space or write checkpoints elsewhere (trainer.default_root_dir)")
-
-
-def _tree_bytes(path: str) -> int:
-    """Bytes of a checkpoint file, or of a sharded checkpoint folder's files."""
-    if not os.path.isdir(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
 
 
 def ended_optimizer_step(trainer: Trainer, batch_idx: int) -> bool:
@@ -506,17 +418,7 @@ def _cloned(state: dict) -> dict:
 
 def _plain_last_name(cb: ModelCheckpoint) -> bool:
     """``last`` without ``{metric}`` fields, and a folder: its last checkpoint has one fixed path."""
-    return cb.dirpath is not None and "{" not in cb.CHECKPOINT_NAME_LAST and _is_local(str(cb.dirpath))
-
-
-def _is_local(path: str) -> bool:
-    return "://" not in path or path.startswith("file://")
-
-
-def _same_path(a: str | None, b: str | None) -> bool:
-    if not a or not b:
-        return False
-    return os.path.realpath(a) == os.path.realpath(b)
+    return cb.dirpath is not None and "{" not in cb.CHECKPOINT_NAME_LAST and is_local(str(cb.dirpath))
 
 
 def _atomic_copy(source: str, target: str) -> None:
