@@ -1,11 +1,20 @@
 """``rloo-lightning serve``: the vLLM command it runs (what the server engine's sync needs, arguments after ``--``
-passed on), its refusals before anything starts, and the folder it writes for vLLM (the policy's config without a
-GGUF file's quantization, and its tokenizer). Starting a real server is in ``test_engines_vllm_server.py``."""
+passed on) and every variable it sets, its refusals before anything starts, the folder it writes for vLLM (the
+policy's config without a GGUF file's quantization, and its tokenizer), the memory default of vLLM's CPU build, vLLM's
+memory error as one line, and the process tree: a stand-in for vLLM (a script that starts a child and a grandchild,
+neither of which heeds SIGTERM) leaves no process behind a SIGTERM or a SIGKILL of serve. The last test starts a real
+``rloo-lightning serve`` (vLLM), SIGKILLs it and checks that none of vLLM's processes is left."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
+import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
@@ -19,8 +28,9 @@ def _dry(capsys, *argv: str) -> str:
 
 def test_the_command_has_what_the_sync_needs_and_passes_the_rest_on(capsys, monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)  # a dry run starts nothing: no key needed
+    monkeypatch.setattr(serve, "cpu_build", lambda: False)
     out = _dry(capsys, "--port", "8123", "--host", "0.0.0.0", "--", "--tensor-parallel-size", "2")
-    assert out.startswith("VLLM_SERVER_DEV_MODE=1 ")
+    assert out.startswith("VLLM_SERVER_DEV_MODE=1 PYTHONUNBUFFERED=1 ")  # every variable serve sets, then the command
     for flags in ("--host 0.0.0.0 --port 8123", "--dtype float32", "--load-format dummy",
                   "--logprobs-mode processed_logprobs", "--max-logprobs 1", "--served-model-name policy",
                   "--worker-extension-cls rloo_lightning.engines.vllm_server_side.WeightSync",
@@ -78,3 +88,206 @@ def test_the_cli_routes_serve(monkeypatch):
     monkeypatch.setattr(serve, "main", lambda argv: seen.append(argv))
     cli._run(["serve", "--model", "x", "--dry-run"])
     assert seen == [["--model", "x", "--dry-run"]]
+
+
+# -- the memory default of vLLM's CPU build --------------------------------------------------------------------
+GIB = 1 << 30
+
+
+def test_the_cpu_build_gets_a_kv_cache_of_a_quarter_of_the_memory_available_unless_sized():
+    env, note = serve.memory_default([], {}, True, int(17.5 * GIB))
+    assert env == {"VLLM_CPU_KVCACHE_SPACE": "4"}
+    assert note.startswith("vLLM's CPU build: VLLM_CPU_KVCACHE_SPACE=4 (GiB of KV cache: a quarter of the 17.5 GiB")
+    assert serve.memory_default([], {}, True, 200 * GIB)[0] == {"VLLM_CPU_KVCACHE_SPACE": "8"}  # at most 8
+    assert serve.memory_default([], {}, True, 0)[0] == {"VLLM_CPU_KVCACHE_SPACE": "1"}  # unknown: at least 1
+    for sized in (["--gpu-memory-utilization", "0.5"], ["--gpu-memory-utilization=0.5"],
+                  ["--kv-cache-memory-bytes", "2G"], ["--enforce-eager", "--kv-cache-memory", "1G"]):
+        assert serve.memory_default(sized, {}, True, 17 * GIB) == ({}, None), sized
+    assert serve.memory_default([], {"VLLM_CPU_KVCACHE_SPACE": "2"}, True, 17 * GIB) == ({}, None)
+    assert serve.memory_default([], {}, False, 17 * GIB) == ({}, None)  # a GPU build: vLLM's own default
+
+
+def test_the_dry_run_shows_the_kv_cache_it_sets_and_says_why(capsys, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(serve, "cpu_build", lambda: True)
+    monkeypatch.setattr(serve, "available_memory", lambda: 10 * GIB)
+    serve.main(["--model", "some/policy", "--dry-run"])
+    out, err = capsys.readouterr()
+    assert out.startswith("VLLM_SERVER_DEV_MODE=1 PYTHONUNBUFFERED=1 VLLM_CPU_KVCACHE_SPACE=2 ")
+    assert err.startswith("rloo-lightning serve: vLLM's CPU build: VLLM_CPU_KVCACHE_SPACE=2 ") and err.count("\n") == 1
+
+
+def test_the_cpu_build_is_told_by_its_distribution(monkeypatch):
+    import importlib.metadata
+
+    def installed(**versions):
+        def version(name):
+            if name not in versions:
+                raise importlib.metadata.PackageNotFoundError(name)
+            return versions[name]
+        monkeypatch.setattr(importlib.metadata, "version", version)
+
+    installed(**{"vllm-cpu": "0.32.0"})
+    assert serve.cpu_build()
+    installed(vllm="0.11.0+cpu")
+    assert serve.cpu_build()
+    installed(vllm="0.32.0")
+    assert not serve.cpu_build()
+    installed()
+    assert not serve.cpu_build()
+
+
+# -- vLLM's memory error, as one line -------------------------------------------------------------------------
+_MEMORY_ERROR = ("ValueError: Available memory on node 0 (17.5/23.54 GiB) on startup is less than desired CPU memory "
+                 "utilization (0.92, 21.66 GiB). On the CPU backend, the `--gpu-memory-utilization` flag controls ...")
+#: vLLM 0.32's output when it does not start for memory (shortened): a worker's logged traceback, the engine core's,
+#: the engine core process's own, then the API server's.
+_FAILED_START = [
+    "(APIServer pid=1) INFO 12-07 03:17:01 [model.py:2152] Using max model len 512",
+    "(VllmWorker-0 pid=3) ERROR 12-07 03:17:40 [multiproc_executor.py:953] WorkerProc failed to start.",
+    "(VllmWorker-0 pid=3) ERROR 12-07 03:17:40 [multiproc_executor.py:953] Traceback (most recent call last):",
+    '(VllmWorker-0 pid=3) ERROR 12-07 03:17:40 [multiproc_executor.py:953]   File "cpu_worker.py", line 83, in f',
+    "(VllmWorker-0 pid=3) ERROR 12-07 03:17:40 [multiproc_executor.py:953]     raise ValueError(",
+    f"(VllmWorker-0 pid=3) ERROR 12-07 03:17:40 [multiproc_executor.py:953] {_MEMORY_ERROR}",
+    "(EngineCore pid=2) ERROR 12-07 03:17:45 [core.py:1510] EngineCore failed to start.",
+    "(EngineCore pid=2) ERROR 12-07 03:17:45 [core.py:1510] Traceback (most recent call last):",
+    "(EngineCore pid=2) ERROR 12-07 03:17:45 [core.py:1510] Exception: WorkerProc initialization failed",
+    "Process EngineCore:",
+    "Traceback (most recent call last):",
+    '  File "core.py", line 1514, in run_engine_core',
+    "Exception: WorkerProc initialization failed due to an exception in a background process.",
+    "Traceback (most recent call last):",
+    '  File "<frozen runpy>", line 198, in _run_module_as_main',
+    "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+]
+
+
+def test_a_memory_error_of_vllm_is_kept_as_one_line_and_nothing_after_it_is_passed_on():
+    filt = serve.OutputFilter()
+    passed = [out for line in _FAILED_START for out in filt.feed(line + "\n")] + filt.close()
+    assert passed == [_FAILED_START[0] + "\n", _FAILED_START[1] + "\n"]
+    assert filt.failure == _MEMORY_ERROR
+
+
+def test_any_other_traceback_is_passed_on_whole():
+    lines = ["INFO up", "Traceback (most recent call last):", '  File "x.py", line 1, in f', "    boom()",
+             "KeyError: 'x'", "INFO after", "Traceback (most recent call last):", '  File "y.py", line 2']
+    filt = serve.OutputFilter()
+    passed = [out for line in lines for out in filt.feed(line)] + filt.close()
+    assert passed == lines and filt.failure is None  # a traceback cut short by the end is passed on too
+
+
+# -- the process tree ends with serve --------------------------------------------------------------------------
+#: A stand-in for vLLM's API server: it starts a child, which starts a grandchild (as vLLM's engine core and its
+#: worker); they write their pids and ignore SIGTERM (only a SIGKILL ends them); the leader ends on SIGTERM.
+FAKE_VLLM = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    folder, level = sys.argv[1], int(sys.argv[2])
+    if level:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if level < 2:
+        subprocess.Popen([sys.executable, __file__, folder, str(level + 1)])
+    with open(os.path.join(folder, f"pid{level}.tmp"), "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(os.path.join(folder, f"pid{level}.tmp"), os.path.join(folder, f"pid{level}"))
+    print(f"fake vLLM {level} up", flush=True)
+    time.sleep(600)
+""")
+GRACE = 2.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _group(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid``."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(pid))
+    return out
+
+
+def _start_serve_with_fake_vllm(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+    """``serve``'s process tree around the stand-in (``run_tree``, as ``main`` runs it): serve's process, and the
+    pids of the stand-in's three processes once they are up."""
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(FAKE_VLLM)
+    runner = ("import sys; from rloo_lightning.serve import run_tree; "
+              f"sys.exit(run_tree([sys.executable, {str(script)!r}, {str(tmp_path)!r}, '0'], None, {GRACE}))")
+    proc = subprocess.Popen([sys.executable, "-c", runner], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"pid{i}").exists() for i in range(3)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the stand-in did not start: {proc.communicate()[0]}")
+        time.sleep(0.1)
+    pids = [int((tmp_path / f"pid{i}").read_text()) for i in range(3)]
+    assert {os.getpgid(p) for p in pids} == {pids[0]} != os.getpgid(proc.pid)  # a process group of its own
+    return proc, pids
+
+
+def _gone_within(pids: list[int], pgid: int, bound: float) -> float:
+    start = time.monotonic()
+    while any(map(_alive, pids)) or _group(pgid):
+        if time.monotonic() - start > bound:
+            left = [p for p in pids if _alive(p)] + _group(pgid)
+            for p in left:
+                os.kill(p, signal.SIGKILL)
+            raise AssertionError(f"processes of the tree left {bound} s after serve ended: {left}")
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_sigterm_to_serve_is_passed_on_and_the_whole_tree_ends_within_the_grace(tmp_path):
+    proc, pids = _start_serve_with_fake_vllm(tmp_path)
+    try:
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(GRACE + 10) == 128 + signal.SIGTERM
+        assert time.monotonic() - start < GRACE + 5
+        _gone_within(pids, pids[0], 1)
+        out = proc.stdout.read()
+        assert all(f"fake vLLM {i} up" in out for i in range(3)), out  # vLLM's output passed on
+    finally:
+        _end(proc, pids[0])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_sigkill_of_serve_ends_the_whole_tree_within_the_grace(tmp_path):
+    proc, pids = _start_serve_with_fake_vllm(tmp_path)
+    try:
+        assert len(_group(pids[0])) == 4  # the stand-in's three processes and the watchdog
+        proc.kill()
+        proc.wait(10)
+        start = time.monotonic()
+        while _alive(pids[0]):  # the leader's parent-death SIGTERM, at once
+            assert time.monotonic() - start < 3
+            time.sleep(0.05)
+        assert _gone_within(pids, pids[0], GRACE + 5) < GRACE + 5  # the rest: the watchdog, after the grace
+    finally:
+        _end(proc, pids[0])
+
+
+def _end(proc: subprocess.Popen, pgid: int) -> None:
+    """What a failed test left: serve's group and vLLM's."""
+    for group in (proc.pid, pgid):
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(10)
