@@ -329,36 +329,59 @@ class CorrectionArgs:
     """Importance correction for a sampler that is not exactly pi_theta (an engine that reports its log-probs).
 
     Off by default with the engines that sample from pi_theta itself (as the paper does). When the engine reports
-    log pi_s of each sampled token, ``train/mismatch/*`` is logged whatever these options say.
+    log pi_s of each sampled token, ``train/mismatch/*`` is logged whatever these options say. Each option's formula,
+    source, bias and variance: ``docs/correction.md``. Ratios r_t = pi_theta(y_t|.) / pi_s(y_t|.) over the policy's
+    tokens only (an episode's environment tokens are off the completion mask).
 
     Args:
         level: ``auto`` (the default): the engine's own choice, its ``default_correction`` (``none`` for the
             engines of :mod:`rloo_lightning.engines` but vLLM; ``token`` for
             :class:`~rloo_lightning.engines.vllm.VLLMEngine`; ``token`` with any engine when
             ``rollout.lag >= 1``); ``none``; ``sequence``: one detached weight
-            w_i = pi_theta(y_i) / pi_s(y_i) multiplies
+            w_i = pi_theta(y_i) / pi_s(y_i) = prod_t r_t multiplies
             (R_i - b_i) grad log pi_theta(y_i): unbiased when untruncated (``cap: null``), but its variance
-            grows fast with the mismatch and the length; ``token``: w_it = pi_theta(y_it|.) / pi_s(y_it|.)
-            per token: far lower variance, biased (it reweights each token but not the prefix it follows).
+            grows fast with the mismatch and the length; ``token``: w_it = r_t
+            per token: far lower variance, biased (it reweights each token but not the prefix it follows);
+            ``geometric``: one weight g_i = exp(mean_t log r_t), the geometric mean of the token ratios
+            (length-invariant, biased: not an importance weight); ``topr``: TOPR (Le Roux et al. 2025): weight 1
+            where R_i - b_i >= 0, min(w_i, 1) where it is negative (mode and cap do not apply).
         mode: ``truncate``: min(w, cap) (TIS): bounded variance, biased toward under-weighting the samples
             pi_theta favours; ``mask``: w inside [lower, cap], 0 outside (the sample or token leaves the
-            loss): removes outliers, biased by what it drops.
+            loss; MIS): removes outliers, biased by what it drops; ``reject``: 1 inside [lower, cap], 0 outside (a
+            filter without weights: ``level: geometric, mode: reject`` is Geo-Mask).
         cap: the upper bound of the weight (TIS's C; verl uses 2); null: none.
-        lower: ``mask`` mode's lower bound (default 1 / cap).
+        lower: ``mask`` and ``reject`` modes' lower bound (default 1 / cap).
+        reject: a sequence-level rejection on top of the weights: a sample whose ``sequence`` (prod_t r_t) or
+            ``geometric`` (exp(mean_t log r_t)) ratio lies outside [reject_lower, reject_upper] gets weight 0
+            (verl's rollout rejection sampling; with ``level: token``: token TIS with the sequence dropped, NeMo-RL's
+            seq-mask-tis); ``none`` (the default).
+        reject_lower: the rejection's lower bound (default 1 / reject_upper).
+        reject_upper: the rejection's upper bound; null: none.
     """
 
     prefix: ClassVar[str] = "correction"
-    level: Literal["auto", "none", "sequence", "token"] = "auto"
-    mode: Literal["truncate", "mask"] = "truncate"
+    level: Literal["auto", "none", "sequence", "token", "geometric", "topr"] = "auto"
+    mode: Literal["truncate", "mask", "reject"] = "truncate"
     cap: float | None = 2.0
     lower: float | None = None
+    reject: Literal["none", "sequence", "geometric"] = "none"
+    reject_lower: float | None = None
+    reject_upper: float | None = 2.0
 
     def __post_init__(self) -> None:
         check_choices(self)
-        if self.cap is not None and self.cap <= 0:
-            raise ValueError(f"correction.cap must be > 0 or null, got {self.cap}")
-        if self.lower is not None and not (0 <= self.lower < (self.cap if self.cap is not None else float("inf"))):
-            raise ValueError(f"correction.lower must be in [0, correction.cap), got {self.lower}")
+        for name, upper, lower in (("", self.cap, self.lower), ("reject_", self.reject_upper, self.reject_lower)):
+            bound = "cap" if not name else "reject_upper"
+            if upper is not None and upper <= 0:
+                raise ValueError(f"correction.{bound} must be > 0 or null, got {upper}")
+            if lower is not None and not (0 <= lower < (upper if upper is not None else float("inf"))):
+                raise ValueError(f"correction.{name}lower must be in [0, correction.{bound}), got {lower}")
+        if self.level == "topr" and self.mode != "truncate":
+            raise ValueError(f"correction.level 'topr' truncates at 1 (the paper); correction.mode must be "
+                             f"'truncate', got {self.mode!r}")
+        if self.reject != "none" and self.level in ("auto", "none"):
+            raise ValueError(f"correction.reject filters a correction's weights: set correction.level (not "
+                             f"{self.level!r}); a filter alone is correction.mode 'reject' (Geo-Mask: level geometric)")
 
     def for_engine(self, engine, stale: bool = False) -> CorrectionArgs:
         """These options with ``level: auto`` replaced by ``engine``'s ``default_correction``; when it has none,

@@ -7,6 +7,10 @@ makes it unbiased again: E_{pi_s}[w A grad log pi_theta] = E_{pi_theta}[A grad l
 leave-one-out baseline stays valid because it excludes sample i (b_i does not depend on y_i). Truncating
 (TIS, Yao et al. 2025; verl's rollout correction) or masking large weights buys lower variance with some bias;
 per-token weights are cheaper in variance, and biased: they reweight each token, not the prefix it follows.
+The 2026 family (docs/correction.md names each and its source): the geometric mean of the token ratios as a sequence
+weight or filter (verl's geometric level, Geo-Mask), a sequence-level rejection on top of any weights
+(:func:`with_rejection`), and TOPR's asymmetric weights (:func:`topr_advantages`). Only the untruncated product
+weight is unbiased.
 
 All weights are detached: they scale the advantage, never carry gradient.
 """
@@ -16,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["mismatch_sums", "importance_weights", "weighted_advantages"]
+__all__ = ["mismatch_sums", "importance_weights", "sequence_log_ratios", "bounded", "with_rejection",
+           "topr_advantages", "weighted_advantages"]
 
 RATIO_BANDS = ((0.5, 2.0), (0.9, 1.1))  # the fraction of token ratios pi_theta/pi_s outside each band is logged
 
@@ -58,38 +63,87 @@ def mismatch_sums(logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[str,
 
 def importance_weights(logp: Tensor, sampler_logp: Tensor, mask: Tensor, level: str, mode: str = "truncate",
                        cap: float | None = 2.0, lower: float | None = None) -> Tensor:
-    """Detached importance weights pi_theta / pi_s for the loss.
+    """Detached importance weights pi_theta / pi_s for the loss (docs/correction.md: each level's source).
+
+    Args:
+        logp, sampler_logp, mask: ``[B, T]`` as in :func:`mismatch_sums`; ``mask`` is the policy's tokens (in an
+            episode, the environment's tokens are off it).
+        level: ``sequence`` (one weight per sample: prod_t r_t); ``token`` (one per token: r_t); ``geometric`` (one
+            per sample: exp(mean_t log r_t), verl's geometric level, biased); ``topr`` (one per sample:
+            min(prod_t r_t, 1), the weight TOPR gives a negative advantage, Le Roux et al. 2025; mode and cap
+            do not apply: see :func:`topr_advantages` for the positive ones).
+        mode, cap, lower: as :func:`bounded` (``truncate``: TIS; ``mask``: MIS; ``reject``: a 0/1 filter).
+
+    Returns:
+        ``[B]`` (sequence, geometric, topr) or ``[B, T]`` (token, 0 off the mask) weights.
+    """
+    if level == "token":
+        m = mask.bool()
+        log_ratio = torch.where(m, logp.detach().float() - sampler_logp.float(), torch.zeros_like(logp,
+                                                                                                 dtype=torch.float))
+        weights = bounded(torch.exp(log_ratio), mode, cap, lower)
+        return torch.where(m, weights, torch.zeros_like(weights))
+    if level == "topr":
+        return torch.exp(sequence_log_ratios(logp, sampler_logp, mask)).clamp(max=1.0)
+    if level not in ("sequence", "geometric"):
+        raise ValueError(f"level must be 'sequence', 'token', 'geometric' or 'topr', got {level!r}")
+    return bounded(torch.exp(sequence_log_ratios(logp, sampler_logp, mask, level)), mode, cap, lower)
+
+
+def sequence_log_ratios(logp: Tensor, sampler_logp: Tensor, mask: Tensor, kind: str = "sequence") -> Tensor:
+    """``[B]`` detached log of each sequence's ratio pi_theta/pi_s over the tokens of ``mask`` (the policy's).
 
     Args:
         logp, sampler_logp, mask: ``[B, T]`` as in :func:`mismatch_sums`.
-        level: ``sequence`` (one weight per sample: prod_t r_t) or ``token`` (one per token: r_t).
-        mode: ``truncate``: ``min(w, cap)`` (TIS; ``cap=None`` keeps the plain, unbiased weight at sequence
-            level); ``mask``: ``w`` inside ``[lower, cap]``, 0 outside (the sample or token leaves the loss).
-        cap: the upper bound (None: none).
-        lower: ``mask`` mode's lower bound (default ``1 / cap``).
-
-    Returns:
-        ``[B]`` (sequence) or ``[B, T]`` (token, 0 off the mask) weights.
+        kind: ``sequence``: sum_t log r_t = log pi_theta(y)/pi_s(y) (the unbiased sequence weight's log);
+            ``geometric``: (1/n) sum_t log r_t with n the row's tokens on ``mask``: the log of the geometric mean of
+            the token ratios, length-invariant and not an importance weight (E_s[exp(.)] != 1). A row without any
+            token on ``mask`` has 0.
     """
-    if level not in ("sequence", "token"):
-        raise ValueError(f"level must be 'sequence' or 'token', got {level!r}")
+    if kind not in ("sequence", "geometric"):
+        raise ValueError(f"kind must be 'sequence' or 'geometric', got {kind!r}")
     m = mask.bool()
     # Select, never multiply: a masked inf or NaN log-ratio times 0 is NaN (and poisons a sequence's sum).
-    log_ratio = logp.detach().float() - sampler_logp.float()
-    log_ratio = torch.where(m, log_ratio, torch.zeros_like(log_ratio))
-    if level == "sequence":
-        log_ratio = log_ratio.sum(1)
-    weights = torch.exp(log_ratio)
+    log_ratio = torch.where(m, logp.detach().float() - sampler_logp.float(), torch.zeros_like(logp, dtype=torch.float))
+    total = log_ratio.sum(1)
+    return total if kind == "sequence" else total / m.sum(1).clamp(min=1)
+
+
+def bounded(weights: Tensor, mode: str, cap: float | None, lower: float | None) -> Tensor:
+    """``weights`` (any shape) bounded by ``mode``: ``truncate``: min(w, cap) (TIS); ``mask``: w inside
+    ``[lower, cap]``, 0 outside (MIS); ``reject``: 1 inside, 0 outside (a filter that keeps no weight). ``cap``
+    None: no upper bound; ``lower`` None: 1 / cap (0 without a cap; ``truncate`` has no lower bound)."""
     if mode == "truncate":
-        if cap is not None:
-            weights = weights.clamp(max=cap)
-    elif mode == "mask":
-        high = float("inf") if cap is None else cap
-        low = lower if lower is not None else (0.0 if cap is None else 1.0 / cap)
-        weights = torch.where((weights >= low) & (weights <= high), weights, torch.zeros_like(weights))
-    else:
-        raise ValueError(f"mode must be 'truncate' or 'mask', got {mode!r}")
-    return torch.where(m, weights, torch.zeros_like(weights)) if level == "token" else weights
+        return weights if cap is None else weights.clamp(max=cap)
+    if mode not in ("mask", "reject"):
+        raise ValueError(f"mode must be 'truncate', 'mask' or 'reject', got {mode!r}")
+    high = float("inf") if cap is None else cap
+    low = lower if lower is not None else (0.0 if cap is None else 1.0 / cap)
+    inside = (weights >= low) & (weights <= high)
+    return torch.where(inside, weights if mode == "mask" else torch.ones_like(weights), torch.zeros_like(weights))
+
+
+def with_rejection(weights: Tensor, logp: Tensor, sampler_logp: Tensor, mask: Tensor, ratio: str,
+                   lower: float | None, upper: float | None) -> Tensor:
+    """``weights`` (``[B]`` or ``[B, T]``) times a sequence-level rejection: a sample whose ``ratio`` (``sequence``:
+    the product, or ``geometric``; :func:`sequence_log_ratios`) lies outside ``[lower, upper]`` gets weight 0 on
+    every token (verl's rollout rejection sampling; NeMo-RL's seq-mask-tis with ``geometric``). ``logp``,
+    ``sampler_logp``, ``mask``: ``[B, T]``; bounds as :func:`bounded`."""
+    keep = bounded(torch.exp(sequence_log_ratios(logp, sampler_logp, mask, ratio)), "reject", upper, lower)
+    return weights * (keep if weights.dim() == 1 else keep[:, None])
+
+
+def topr_advantages(advantages: Tensor, weights: Tensor) -> Tensor:
+    """TOPR (Le Roux et al. 2025, "Tapered Off-Policy REINFORCE", arXiv 2503.14286): a sample with advantage >= 0
+    keeps weight 1 (its term is the SFT-like ``A grad log pi``, no ratio), one with advantage < 0 takes the truncated
+    sequence ratio ``min(pi_theta/pi_s, 1)``.
+
+    Args:
+        advantages: ``[B]`` per sample, or ``[B, T]`` per token (then each token's sign decides).
+        weights: ``[B]`` the truncated ratios (:func:`importance_weights` at level ``topr``).
+    """
+    w = weights if advantages.dim() == 1 else weights[:, None]
+    return torch.where(advantages >= 0, advantages, advantages * w)
 
 
 def weighted_advantages(advantages: Tensor, weights: Tensor) -> Tensor:
