@@ -79,6 +79,25 @@ def test_close_with_a_request_pending_on_a_stuck_child_does_not_wait(worker):
     assert time.monotonic() - start < 5 and not worker.process.is_alive()
 
 
+@pytest.mark.slow
+def test_a_send_to_a_stopped_child_is_bounded_by_stall_timeout(worker):
+    """A request larger than the pipe's buffer, to a child that reads nothing (SIGSTOP): the send gives up after
+    ``stall_timeout`` with one line naming the child, writes nothing more into the pipe, and close kills the child."""
+    pid = worker.process.pid
+    assert worker.call("stats")["peak_rss_mb"] > 0  # up: it imported and answers
+    os.kill(pid, signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=rf"^the vLLM engine \(pid {pid}\) took in nothing of the 'stats' request "
+                                           r"for 1.5 s \(VLLMEngine stall_timeout\): it is stopped or stuck"):
+        worker.send("stats", b"x" * (4 << 20))  # 4 MiB: a pipe holds 64 KiB
+    assert 1.5 <= time.monotonic() - start < 5
+    with pytest.raises(TimeoutError, match="took in nothing"):  # the pipe holds part of a message: never again
+        worker.send("stats")
+    start = time.monotonic()
+    worker.close()
+    assert time.monotonic() - start < 5 and not worker.process.is_alive()
+
+
 # -- with vLLM: one engine on a tiny head-size-32 Llama -----------------------------------------------
 def _config(**kw) -> GenerationConfig:
     # No EOS: every row samples max_new_tokens tokens, so a cut row shows and a request takes a known while.

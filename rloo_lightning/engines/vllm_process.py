@@ -4,7 +4,9 @@ starts it (``spawn``, with an environment of its own) and speaks to it over a pi
 Requests carry ids; the child (``vllm_child.py``) answers them one at a time, in the order sent, and sends heartbeats
 while it works. An answer that comes while the trainer waits for another is kept until asked for. While the trainer
 waits, a child that ends raises :class:`ChildEnded` and one that sends nothing for ``stall_timeout`` seconds raises
-:class:`ChildStalled`: fail, never hang.
+:class:`ChildStalled`: fail, never hang. A send is held to the same bound: a child that takes nothing in (stopped,
+or stuck with the pipe full) for ``stall_timeout`` seconds raises :class:`ChildStalled` too, and the pipe, cut in the
+middle of a message, is not written to again (:meth:`ChildProcess.close` then kills the child).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import atexit
 import contextlib
 import itertools
 import os
+import threading
 import time
 from collections.abc import Iterator
 
@@ -86,6 +89,7 @@ class ChildProcess:
         self.answers: dict[int, tuple] = {}  # id -> (status, value, seconds): answered, not yet asked for
         self.dropped: set[int] = set()  # pending ids whose answer nobody will ask for (a wait cut by a stop)
         self.heard = False  # whether the child has sent anything yet (before that, it imports: startup_timeout)
+        self.jammed: str | None = None  # why the pipe to the child can no longer be written (a send cut short)
         # Before multiprocessing's own exit handler (atexit runs last-registered first), which would SIGTERM the
         # child (it ignores SIGTERM) and wait for it without a limit.
         atexit.register(self.close)
@@ -97,12 +101,39 @@ class ChildProcess:
     def send(self, verb: str, *args, stoppable: bool = False) -> int:
         """Send a request; its id. ``stoppable``: :attr:`stop_event` may cut it short (a synchronous generate)."""
         rid = next(_request_ids)
-        try:
-            self.conn.send((verb, rid, args, stoppable))
-        except (OSError, ValueError) as err:  # a broken pipe, or closed here
-            raise ChildEnded(self._ended(verb)) from err
+        self._write((verb, rid, args, stoppable), verb, self.stall_timeout)
         self.pending[rid] = verb
         return rid
+
+    def _write(self, message: tuple, verb: str, timeout: float) -> None:
+        """``conn.send(message)``, waiting at most ``timeout`` seconds for the child to take it in. The write runs in
+        a thread of its own: a pipe's write blocks while the pipe is full (a message larger than its buffer, a child
+        that reads nothing: stopped, or stuck) and cannot be cancelled; given up on, the thread stays blocked until
+        the child is killed (:meth:`close`), and the pipe, holding part of a message, is never written again."""
+        if self.jammed:
+            raise ChildStalled(self.jammed)
+        outcome: list[BaseException | None] = []
+        writer = threading.Thread(target=_send_into, args=(self.conn, message, outcome), daemon=True,
+                                  name="rloo-vllm-send")
+        writer.start()
+        deadline = time.monotonic() + timeout
+        while not outcome:
+            writer.join(_POLL_SECONDS)
+            if outcome:
+                break
+            if not self.process.is_alive():
+                writer.join(2)  # its write fails now (the reader is gone)
+                if not outcome:
+                    raise ChildEnded(self._ended(verb))
+            elif time.monotonic() > deadline:
+                self.jammed = (f"the vLLM engine (pid {self.process.pid}) took in nothing of the {verb!r} request "
+                               f"for {timeout:g} s (VLLMEngine stall_timeout): it is stopped or stuck, with its pipe "
+                               "full")
+                raise ChildStalled(self.jammed)
+        if isinstance(outcome[0], (OSError, ValueError)):  # a broken pipe, or closed here
+            raise ChildEnded(self._ended(verb)) from outcome[0]
+        if outcome[0] is not None:
+            raise outcome[0]
 
     def answered(self, rid: int) -> bool:
         """Whether the answer of ``rid`` is in (reads what the child sent so far, without waiting)."""
@@ -206,13 +237,23 @@ class ChildProcess:
         once (it would finish them first, and nobody will read their answers)."""
         atexit.unregister(self.close)
         if self.process.is_alive():
-            with contextlib.suppress(OSError, BrokenPipeError, ValueError):
-                self.conn.send(("close", None, (), False))
-            self.process.join(0 if self.pending else 10)
+            with contextlib.suppress(OSError, ValueError, ChildEnded, ChildStalled):  # a stuck child: killed below
+                self._write(("close", None, (), False), "close", min(self.stall_timeout, 10.0))
+            self.process.join(0 if self.pending or self.jammed else 10)
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join(10)
         self.conn.close()
+
+
+def _send_into(conn, message: tuple, outcome: list) -> None:
+    """The sending thread of :meth:`ChildProcess._write`: ``outcome`` gets None, or the exception of the send."""
+    try:
+        conn.send(message)
+    except BaseException as err:  # noqa: B036 - handed to the waiting thread, which raises it
+        outcome.append(err)
+    else:
+        outcome.append(None)
 
 
 @contextlib.contextmanager
