@@ -1,0 +1,114 @@
+"""Every off-policy correction against the exact gradient on completions of up to 8 tokens: bias and variance.
+
+On the toy of ``rloo_lightning/verify/exactness_long.py`` (3 prompts, completions of up to 8 tokens over {a, b} and
+EOS, exact by enumeration) each correction of ``model.correction`` is drawn on the module's own ``training_step``
+(``off_policy_draws``): at lag 0 with a sampler whose logits are the policy's plus ``scale * N(0, 1)``
+(``perturbed_table``, seed 1), at lag 1 through the pipeline with the policy moved by the same perturbation between
+the step that sampled and the step that trains. Every correction of a cell sees the same samples (seed 0).
+
+    python -m experiments.offpolicy_family.measure --lags 0 --scales 0.1 0.3 0.5     # one record per (lag, scale)
+    python -m experiments.offpolicy_family.measure --table                          # the table of every record
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from experiments.async_exactness.measure import mismatch
+from rloo_lightning.verify.exactness import perturbed_table
+from rloo_lightning.verify.exactness_long import bias_and_variance, make_long_toy, mean_lengths, off_policy_draws
+
+RECORDS = Path(__file__).with_name("records")
+SCALES = (0.1, 0.3, 0.5)
+BETA = 0.1
+# name -> model.correction (docs/correction.md: each one's formula and source). Bounds: verl's cap 2 for the weights
+# and the product ratio; rllm's IcePop band [0.5, 5]; a +-10 % band for the geometric ratio (a per-token scale).
+CORRECTIONS: dict[str, dict] = {
+    "none": {"level": "none"},
+    "token TIS, cap 2 (auto's default)": {"level": "token", "cap": 2.0},
+    "token, uncapped": {"level": "token", "cap": None},
+    "IcePop: token mask [0.5, 5]": {"level": "token", "mode": "mask", "lower": 0.5, "cap": 5.0},
+    "sequence IS, uncapped": {"level": "sequence", "cap": None},
+    "Seq-TIS, cap 2": {"level": "sequence", "cap": 2.0},
+    "Seq-MIS: sequence mask [0.5, 2]": {"level": "sequence", "mode": "mask", "cap": 2.0},
+    "geometric weight, cap 2": {"level": "geometric", "cap": 2.0},
+    "Geo-Mask [0.9, 1.1]": {"level": "geometric", "mode": "reject", "lower": 0.9, "cap": 1.1},
+    "token TIS + geometric reject [0.9, 1.1]": {"level": "token", "cap": 2.0, "reject": "geometric",
+                                                "reject_lower": 0.9, "reject_upper": 1.1},
+    "token TIS + sequence reject [0.5, 2]": {"level": "token", "cap": 2.0, "reject": "sequence"},
+    "TOPR": {"level": "topr"},
+}
+
+
+def cell(toy, lag: int, scale: float, names: list[str], draws: int, repeats: int, seed: int, alpha: float) -> dict:
+    """One (lag, scale): the exact distance between sampler and policy, then each correction's bias and variance."""
+    other = perturbed_table(toy, scale)
+    sampler, policy = (other, toy.policy_table) if lag == 0 else (toy.policy_table, other)
+    distance = mismatch(dataclasses.replace(toy, policy_table=sampler), policy)
+    distance["mean_length_sampler"] = float(mean_lengths(toy, sampler).mean())
+    results = {}
+    for name in names:
+        start = time.perf_counter()
+        sample, exact = off_policy_draws(toy, other, lag, draws, {"correction": CORRECTIONS[name]}, repeats, seed,
+                                         BETA)
+        results[name] = {**bias_and_variance(sample, exact, alpha), "seconds": round(time.perf_counter() - start, 1)}
+    return {"lag": lag, "scale": scale, **distance, "draws": draws, "repeats": repeats, "k": 4, "beta": BETA,
+            "prompts": len(toy.prompts), "max_len": toy.max_len, "seed": seed, "alpha": alpha,
+            "corrections": results}
+
+
+def table(records: list[dict]) -> str:
+    """One markdown table of ``records`` (sorted by lag, scale)."""
+    lines = ["| lag | scale | seq KL | correction | unbiased | max abs z | relative bias (debiased) | noise floor | "
+             "relative variance |", "|---|---|---|---|---|---|---|---|---|"]
+    for rec in sorted(records, key=lambda r: (r["lag"], r["scale"])):
+        for name, r in rec["corrections"].items():
+            lines.append(f"| {rec['lag']} | {rec['scale']} | {rec['sequence_kl_sampler_to_policy']:.3f} | {name} | "
+                         f"{'yes' if r['unbiased'] else '**no**'} | {r['max_abs_z']:.1f} | "
+                         f"{r['relative_bias_debiased']:.3f} | {r['relative_bias_noise_floor']:.3f} | "
+                         f"{r['relative_variance']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lags", type=int, nargs="+", default=[0, 1], choices=[0, 1])
+    parser.add_argument("--scales", type=float, nargs="+", default=list(SCALES))
+    parser.add_argument("--corrections", nargs="+", choices=list(CORRECTIONS), default=list(CORRECTIONS))
+    parser.add_argument("--draws", type=int, default=300, help="training steps (independent draws) per cell")
+    parser.add_argument("--repeats", type=int, default=16, help="copies of each prompt in a batch")
+    parser.add_argument("--max-len", type=int, default=8, help="the toy's longest completion")
+    parser.add_argument("--seed", type=int, default=0, help="the sampler's stream (the same for every correction)")
+    parser.add_argument("--alpha", type=float, default=1e-3, help="family-wise false-alarm rate (Bonferroni)")
+    parser.add_argument("--out", type=Path, default=RECORDS, help="folder of the records, one per (lag, scale)")
+    parser.add_argument("--table", action="store_true", help="print the table of the records in --out; draw nothing")
+    args = parser.parse_args(argv)
+    if args.table:
+        records = [json.loads(p.read_text()) for p in sorted(args.out.glob("lag*_scale*.json"))]
+        print(table(records))
+        return records
+    warnings.filterwarnings("ignore", message=".*self.log.*")
+    torch.set_num_threads(1)
+    toy = make_long_toy(max_len=args.max_len)
+    args.out.mkdir(parents=True, exist_ok=True)
+    records = []
+    for lag in args.lags:
+        for scale in args.scales:
+            start = time.perf_counter()
+            rec = cell(toy, lag, scale, args.corrections, args.draws, args.repeats, args.seed, args.alpha)
+            rec.update(wall_s=round(time.perf_counter() - start, 1), torch=torch.__version__, torch_threads=1)
+            (args.out / f"lag{lag}_scale{scale}.json").write_text(json.dumps(rec, indent=1) + "\n")
+            records.append(rec)
+    print(table(records))
+    return records
+
+
+if __name__ == "__main__":
+    main()
