@@ -81,7 +81,8 @@ def informative_rollout(module, rollout: Rollout, num_groups: int) -> Rollout:
         seed = derive_seed(cfg.sampling.seed, module.global_rank, "dynamic", step, round_)
         extra = module.batch_on_device(datamodule.sample_batch(num_groups, seed))
         candidate = module.sample(extra, cfg.sampling.k, module.sampling_seed(f"dynamic{round_}", step), in_step=True)
-        with module.ranks_agree("after scoring"):  # a reward failing on one rank ends every rank, not one alone
+        # a reward failing on one rank ends every rank here, not that rank alone
+        with module.ranks_agree("after scoring", signals=False):
             candidate.scores, candidate.rewards = module.score(candidate)
         return candidate
 

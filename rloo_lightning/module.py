@@ -12,6 +12,7 @@ from torchmetrics import MeanMetric
 
 from rloo_lightning.algo.advantages import AdvantageEstimator
 from rloo_lightning.algo.correction import importance_weights, mismatch_sums, weighted_advantages
+from rloo_lightning.algo.correction import topr_advantages, with_rejection
 from rloo_lightning.algo.kl import KLTerm
 from rloo_lightning.algo.losses import PolicyLoss
 from rloo_lightning.algo.shaping import shape_rewards
@@ -186,7 +187,7 @@ class RLOOModule(PolicyModule):
             rollout = self.sample(batch, c.sampling.k, self.sampling_seed("train", self.global_step), in_step=True)
         if fresh:
             # 2. Rewards: weighted sum of the reward functions (NaN = missing), then the optional shaping.
-            with self.ranks_agree("after scoring"):
+            with self.ranks_agree("after scoring", signals=False):
                 rollout.scores, rollout.rewards = self.score(rollout)
             if c.dynamic_sampling.enabled:  # DAPO: more prompts until every group's rewards differ
                 rollout = informative_rollout(self, rollout, len(batch["prompt"]))
@@ -331,8 +332,12 @@ class RLOOModule(PolicyModule):
         mismatch = mismatch_sums(logp, rollout.sampler_logp, rollout.completion_mask)
         if c.level == "none":
             return mismatch, None
-        return mismatch, importance_weights(logp, rollout.sampler_logp, rollout.completion_mask, c.level, c.mode,
-                                            c.cap, c.lower)
+        # Over the policy's tokens only (completion_mask: an episode's environment tokens are off it).
+        args = (logp, rollout.sampler_logp, rollout.completion_mask)
+        weights = importance_weights(*args, c.level, c.mode, c.cap, c.lower)
+        if c.reject != "none":
+            weights = with_rejection(weights, *args, c.reject, c.reject_lower, c.reject_upper)
+        return mismatch, weights
 
     def update_loss(self, rollout: Rollout, update: PolicyUpdate) -> tuple[Tensor, Tensor | None, dict]:
         """Step 7: ``(loss, entropy [B, T], clip statistics)`` by ``update``, one micro-batch at a time.
@@ -347,7 +352,8 @@ class RLOOModule(PolicyModule):
                                          c.update.loss_norm_constant or c.sampling.max_new_tokens)
         advantages = rollout.token_advantages if rollout.token_advantages is not None else rollout.advantages
         if rollout.is_weights is not None:  # correction.level: w_i (or w_it) times (R_i - b_i), detached
-            advantages = weighted_advantages(advantages, rollout.is_weights)
+            weigh = topr_advantages if c.correction.level == "topr" else weighted_advantages
+            advantages = weigh(advantages, rollout.is_weights)
         scaler = getattr(self.run_by.precision_plugin, "scaler", None)
         self.grad_stash.grads = None
         return update.loss(self.policy_loss, rollout, advantages, denominators, self.beta,
@@ -361,7 +367,7 @@ class RLOOModule(PolicyModule):
         # The step's end: nothing in flight between steps (a checkpoint holds whole rollouts ahead; pipeline.py).
         # Before the update, and agreed by every rank: an engine failing here ends every rank with the step before.
         if self.pipeline is not None:
-            with self.ranks_agree("collecting the rollouts ahead"):
+            with self.ranks_agree("collecting the rollouts ahead", signals=False):
                 self.pipeline.drain()
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
         if grads and not self.guard.finite(self.reduce_across_ranks, *grads):

@@ -196,11 +196,12 @@ class PolicyModule(LightningModule):
                 yield
 
     @contextmanager
-    def ranks_agree(self, where: str):
+    def ranks_agree(self, where: str, signals: bool = True):
         """A part of a training step that no collective interrupts, ending where every rank agrees
         (:func:`~rloo_lightning.runtime.sigterm.end_step`): a stop signal, or a failure on any rank (held until
         then, so that no rank waits for it in a collective), ends every rank there together, before anything of the
-        step is kept; the checkpoint written is then the step before's."""
+        step is kept; the checkpoint written is then the step before's. ``signals`` False: failures only (a stop
+        signal then ends the run at the step's end, as Lightning does)."""
         failure = None
         try:
             yield
@@ -208,7 +209,7 @@ class PolicyModule(LightningModule):
             raise  # an inner agreement already ended every rank
         except Exception as error:
             failure = error
-        sigterm.end_step(framework.module_trainer(self), where, failure)
+        sigterm.end_step(framework.module_trainer(self), where, failure, signals)
 
     # -- the policy run on a rollout -----------------------------------------------------------
     def logprobs(self, model: torch.nn.Module, rollout: Rollout, rows: slice = slice(None),

@@ -187,12 +187,13 @@ class StepFailed(RuntimeError):
     the same point, outside any collective, so the checkpoint of the step before can be written collectively."""
 
 
-def end_step(trainer, where: str, failure: BaseException | None = None) -> None:
+def end_step(trainer, where: str, failure: BaseException | None = None, signals: bool = True) -> None:
     """At an agreement point of a step (after its generation, after its scoring), before anything of it is kept:
     every rank stops here if any was signalled, and the checkpoint written is the step before's
     (:func:`aborted_step`). ``failure``: this rank's exception in the work before the point (held, not raised, so
     that the other ranks do not wait for it in their next collective); with several ranks, a failure on any rank
-    raises :class:`StepFailed` on every rank, naming the failed ranks and their errors."""
+    raises :class:`StepFailed` on every rank, naming the failed ranks and their errors. ``signals`` False: a point
+    for failures only (a signal still stops the step at its end, as Lightning does)."""
     if trainer is None:
         if failure is not None:
             raise failure
@@ -208,7 +209,7 @@ def end_step(trainer, where: str, failure: BaseException | None = None) -> None:
                 from failure
     elif failure is not None:
         raise failure
-    if agree(trainer):
+    if signals and agree(trainer):
         _state["aborted_step"] = _state["phase"] == "train"
         raise SIGTERMException(where)
 
