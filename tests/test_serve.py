@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from rloo_lightning import serve
+from vllm_helpers import vllm_test
 
 
 def _dry(capsys, *argv: str) -> str:
@@ -291,3 +292,48 @@ def _end(proc: subprocess.Popen, pgid: int) -> None:
         except ProcessLookupError:
             pass
     proc.wait(10)
+
+
+# -- a real server (vLLM) -----------------------------------------------------------------------------------------
+@vllm_test
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_documented_command_starts_a_server_whose_tree_ends_with_a_sigkill_of_serve(server_model_dir, tmp_path):
+    """``rloo-lightning serve`` as docs/vllm_server.md gives it (no memory option: on a CPU, serve's own KV cache),
+    up and answering ``/health``; then a SIGKILL of serve alone: every process of vLLM's tree (its API server, engine
+    core, worker, resource tracker, and serve's watchdog) is gone within the grace."""
+    from cli_harness import start_cli
+    from vllm_server_helpers import Server, free_port, server_env
+
+    env = server_env(tmp_path)
+    env.pop("VLLM_CPU_KVCACHE_SPACE")
+    port = free_port()
+    proc = start_cli("serve", ["serve", "--model", server_model_dir, "--port", port, "--", "--enforce-eager"], tmp_path,
+                     env, timeout=600)
+    server = Server(proc, port, server_model_dir).wait_up()
+    leader = None
+    try:
+        serve_pid = proc.popen.pid
+        leader = next(p for p in _children(serve_pid) if os.getpgid(p) == p)  # vLLM's API server
+        tree = _group(leader)
+        assert len(tree) >= 5, tree  # the API server, the engine core, its worker, the resource tracker, the watchdog
+        assert "vLLM's CPU build: VLLM_CPU_KVCACHE_SPACE=" in proc.stderr or not serve.cpu_build()
+        os.kill(serve_pid, signal.SIGKILL)
+        seconds = _gone_within(tree, leader, serve.STOP_GRACE_S + 5)
+        assert not server.healthy()
+        print(f"vLLM's tree ({len(tree)} processes) gone {seconds:.1f} s after a SIGKILL of serve")
+    finally:
+        if leader is not None and _group(leader):
+            os.killpg(leader, signal.SIGKILL)
+        server.kill()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for child in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(child))
+        except OSError:
+            continue
+    return out
