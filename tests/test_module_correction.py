@@ -17,6 +17,13 @@ from rloo_lightning.engines import HFGenerateEngine
     ({"mode": "clip"}, "correction.mode must be one of"),
     ({"cap": 0}, "correction.cap must be > 0"),
     ({"cap": 2.0, "lower": 3.0}, r"correction.lower must be in \[0, correction.cap\)"),
+    ({"level": "token", "reject": "product"}, "correction.reject must be one of"),
+    ({"level": "token", "reject": "geometric", "reject_upper": 0}, "correction.reject_upper must be > 0"),
+    ({"level": "token", "reject": "geometric", "reject_upper": 1.01, "reject_lower": 1.02},
+     r"correction.reject_lower must be in \[0, correction.reject_upper\)"),
+    ({"level": "topr", "mode": "mask"}, "correction.level 'topr' truncates at 1"),
+    ({"reject": "geometric"}, "correction.reject filters a correction's weights: set correction.level"),
+    ({"level": "none", "reject": "sequence"}, "correction.reject filters a correction's weights"),
 ])
 def test_bad_correction_options(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -79,6 +86,52 @@ def test_diagnostics_and_sequence_weights_in_the_step(tiny_model_dir):
         metrics)
 
 
+def _expected_weights(correction: dict, logp, sampler_logp, mask):
+    """The weights of each option of the 2026 family, written out again from their formulas (docs/correction.md)."""
+    log_r = (logp - sampler_logp) * mask
+    product, geometric = log_r.sum(1).exp(), (log_r.sum(1) / mask.sum(1)).exp()
+    lower, upper = correction.get("lower", 0.5), correction.get("cap", 2.0)
+    if correction["level"] == "geometric" and correction.get("mode") == "reject":  # Geo-Mask
+        return ((geometric >= lower) & (geometric <= upper)).float()
+    if correction["level"] == "geometric":
+        return geometric.clamp(max=upper)
+    if correction["level"] == "topr":
+        return product.clamp(max=1.0)
+    token = log_r.exp().clamp(max=upper) * mask  # token TIS, the sequence dropped by its geometric ratio
+    lo, hi = correction["reject_lower"], correction["reject_upper"]
+    return token * ((geometric >= lo) & (geometric <= hi)).float()[:, None]
+
+
+@pytest.mark.parametrize("correction", [
+    {"level": "geometric", "cap": 1.05},
+    {"level": "geometric", "mode": "reject", "lower": 0.95, "cap": 1.02},
+    {"level": "token", "reject": "geometric", "reject_lower": 0.95, "reject_upper": 1.02},
+    {"level": "topr"},
+], ids=["geometric-tis", "geo-mask", "token-tis-geometric-reject", "topr"])
+def test_the_2026_family_in_the_step(tiny_model_dir, correction):
+    """Each new option's weights and loss on the real step, against its formula; TOPR weights negative advantages
+    only. A masked sequence or token stays in the denominator (here 1/B): the weight is 0, the count unchanged."""
+    engine = HFGenerateEngine(sampler_temperature=1.3)
+    module = configured_module(tiny_model_dir, k=4, generation_engine=engine, kl={"beta": 0.0},
+                               correction=correction)
+    rollout = module.sample(prompt_batch(module.tokenizer), 4, seed=3)
+    rollout.rewards = torch.rand(len(PROMPTS) * 4, generator=torch.Generator().manual_seed(0))
+    loss, _ = module.rollout_loss(rollout)
+    logp = module.logprobs(module.policy, rollout)[0].detach()
+    mask = rollout.completion_mask
+    weights = _expected_weights(correction, logp, rollout.sampler_logp, mask)
+    torch.testing.assert_close(rollout.is_weights, weights)
+    adv = rollout.advantages
+    if correction["level"] == "topr":
+        weighted = torch.where(adv >= 0, adv, adv * weights)[:, None]
+    else:
+        weighted = adv[:, None] * (weights[:, None] if weights.dim() == 1 else weights)
+    torch.testing.assert_close(loss.detach(), -(weighted * logp * mask).sum() / mask.shape[0])
+    if correction.get("mode") == "reject" or "reject" in correction:  # the bounds drop something, keep something
+        on = weights if weights.dim() == 1 else weights.amax(1)
+        assert 0 < int((on == 0).sum()) < len(on)
+
+
 def test_reused_rollout_keeps_the_sampler_weights(tiny_model_dir):
     """updates_per_rollout > 1: w = pi_theta_old / pi_s, fixed at the first update; the clipped ratio does the rest."""
     engine = HFGenerateEngine(sampler_temperature=1.5)
@@ -94,6 +147,25 @@ def test_reused_rollout_keeps_the_sampler_weights(tiny_model_dir):
             p.add_(0.01 * torch.randn_like(p))
     module.rollout_loss(rollout)  # the second update on the stored rollout
     torch.testing.assert_close(rollout.is_weights, first)
+
+
+@pytest.mark.parametrize("correction", [{"level": "topr"}, {"level": "geometric", "mode": "reject"},
+                                        {"level": "token", "reject": "geometric", "reject_lower": 0.9}])
+def test_reused_rollout_with_the_2026_family(tiny_model_dir, correction):
+    """updates_per_rollout > 1 with each new option: the weights are fixed at the first update, as for TIS."""
+    update = {"updates_per_rollout": 2, "clip_mode": "token" if correction["level"] == "token" else "sequence"}
+    module = configured_module(tiny_model_dir, k=4, generation_engine=HFGenerateEngine(sampler_temperature=1.5),
+                               kl={"beta": 0.0}, correction=correction, update=update)
+    rollout = module.sample(prompt_batch(module.tokenizer), 4, seed=3)
+    rollout.rewards = torch.rand(len(PROMPTS) * 4, generator=torch.Generator().manual_seed(0))
+    module.rollout_loss(rollout)
+    first = rollout.is_weights.clone()
+    with torch.no_grad():
+        for p in module.policy.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    loss, _ = module.rollout_loss(rollout)
+    torch.testing.assert_close(rollout.is_weights, first)
+    assert torch.isfinite(loss)
 
 
 def test_dynamic_sampling_keeps_each_samples_sampler_logprobs(tiny_model_dir):
@@ -141,3 +213,32 @@ def test_a_correction_needs_an_engine_that_reports_logprobs_to_train(tiny_model_
     assert isinstance(module.engine, TableSampler)
     with pytest.raises(ValueError, match="TableSampler returned no log-probs"):
         module.training_step(toy_batch(toy, 1), 0)
+
+
+def test_episode_weights_cover_the_policys_tokens_only():
+    """Multi-turn episodes: the geometric mean and the product run over the policy's turns (completion_mask), never
+    over the environment's reply (on context_mask only), whose log-ratio would be meaningless."""
+    from rloo_lightning.verify.exactness import perturbed_table, toy_batch, toy_module
+    from rloo_lightning.verify.exactness_multiturn import make_multiturn_toy
+
+    mt = make_multiturn_toy()
+    seen = {}
+    for level in ("geometric", "sequence"):
+        options = {"rewards": {}, "correction": {"level": level, "cap": None},
+                   "environment": {"class_path": "rloo_lightning.verify.exactness_multiturn.ToyEnvironment",
+                                   "init_args": {"toy": id(mt)}, "max_turns": 2, "reply_format": "{content}"}}
+        module = toy_module(mt.toy, options, sampler_table=perturbed_table(mt.toy))
+        correct = module.correct_sampler
+
+        def spy(rollout, logp, correct=correct):
+            seen.update(rollout=rollout, logp=logp.detach())
+            return correct(rollout, logp)
+
+        module.correct_sampler = spy
+        module.training_step(toy_batch(mt.toy, 2), 0)
+        rollout, logp = seen["rollout"], seen["logp"]
+        policy, context = rollout.completion_mask, rollout.episodes.context_mask
+        assert ((context - policy) > 0).any()  # some environment tokens sit between the policy's turns
+        log_r = torch.where(policy.bool(), logp - rollout.sampler_logp, torch.zeros_like(logp)).sum(1)
+        expected = (log_r / policy.sum(1)).exp() if level == "geometric" else log_r.exp()
+        torch.testing.assert_close(rollout.is_weights, expected)
