@@ -53,7 +53,7 @@ from rloo_lightning.engines.kv_cache import base_model
 from rloo_lightning.engines.vllm_common import (
     architectures, dtype_name, named_weights, pad_id, padded_samples, refuse_repetition_penalty, row_seeds,
     sampling_params, unpadded_prompts, unquantized_config)
-from rloo_lightning.engines.vllm_process import ChildProcess, vllm_log_level
+from rloo_lightning.engines.vllm_process import ChildProcess, said_once, vllm_log_level
 
 __all__ = ["VLLMEngine", "ChildRequest", "CPU_HEAD_SIZES", "silenced_line", "vllm_available"]
 
@@ -229,7 +229,7 @@ class VLLMEngine(GenerationEngine):
                           enable_sleep_mode=self.sleep_level > 0)
         threads = self.threads if self.threads is not None else torch.get_num_threads()
         self._worker = ChildProcess(device, threads, self.startup_timeout, self.stall_timeout)
-        self._worker.call("build", llm_kwargs, architectures(model))
+        said_once(self._worker.call("build", llm_kwargs, architectures(model)))
         from lightning.pytorch.utilities import rank_zero_info
 
         rank_zero_info(silenced_line())

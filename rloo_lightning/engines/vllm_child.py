@@ -54,6 +54,53 @@ class _HarmlessVLLMRecords(logging.Filter):
                 logger.addFilter(cls())
 
 
+class _OnceVLLMRecords(logging.Filter):
+    """Passes each of vLLM's (0.32) warnings about this machine's set-up once per trainer process, not at every start
+    of a child (and, for the first, four times in each):
+
+    * ``CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it.``: vLLM's CPU
+      worker replaces ``torch.set_num_threads`` (the child's thread count stays the one it was started with,
+      ``OMP_NUM_THREADS``), and its own model loading calls it;
+    * ``OMP_NUM_THREADS=... is set; leaving Torch threads at ...``;
+    * ``libtcmalloc`` / ``libiomp is not found in LD_PRELOAD``.
+
+    ``said`` (the environment variable :data:`SAID_ENV`, set by the trainer) names those an earlier child of the
+    trainer's process said already; :attr:`said` grows with those this child says, and the ``build`` answer hands
+    them back to the trainer."""
+
+    #: name -> (the module logger that writes it, the start of its message template)
+    WARNINGS = {
+        "threads-bound": ("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow to use `torch.set_num_threads`"),
+        "omp-threads": ("vllm.utils.torch_utils", "OMP_NUM_THREADS=%s is set; leaving Torch threads"),
+        "ld-preload": ("vllm.v1.worker.cpu_worker", "%s is not found in LD_PRELOAD"),
+    }
+    SAID_ENV = "RLOO_VLLM_SAID_ONCE"
+    said: set[str] = set()
+
+    def __init__(self, name: str, prefix: str) -> None:
+        super().__init__()
+        self.name_, self.prefix = name, prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not isinstance(record.msg, str) or not record.msg.startswith(self.prefix):
+            return True
+        key = self.name_ + (f":{record.args[0]}" if self.name_ == "ld-preload" and record.args else "")
+        if key in _OnceVLLMRecords.said:
+            return False
+        _OnceVLLMRecords.said.add(key)
+        return True
+
+    @classmethod
+    def install(cls) -> None:
+        import os
+
+        cls.said = set(filter(None, os.environ.get(cls.SAID_ENV, "").split(",")))
+        for name, (logger_name, prefix) in cls.WARNINGS.items():
+            logger = logging.getLogger(logger_name)
+            if not any(isinstance(f, cls) and f.name_ == name for f in logger.filters):
+                logger.addFilter(cls(name, prefix))
+
+
 def _read(conn, requests: queue.SimpleQueue) -> None:
     """The child's reading thread: every request into ``requests`` as it comes, None when the pipe closes. The
     trainer's ``send`` thus never blocks on a child busy generating (and two large messages, a request and an
@@ -118,9 +165,11 @@ def serve_requests(conn, stop_event, heartbeat_s: float = 2.0) -> None:
                 from vllm import LLM, ModelRegistry
 
                 _HarmlessVLLMRecords.install()
+                _OnceVLLMRecords.install()
                 supported = set(ModelRegistry.get_supported_archs())
                 if any(a in supported for a in args[1]):
                     llm = LLM(**args[0])
+                    value = sorted(_OnceVLLMRecords.said)  # for the trainer: said, not to be said by a later child
                 else:
                     status, value = "refused", (f"VLLMEngine: vLLM does not support the policy's architecture "
                                                 f"{args[1]}; use the default engine (generation_engine: null)")

@@ -25,7 +25,7 @@ from rloo_lightning.engines.vllm_child import serve_requests
 from rloo_lightning.engines.vllm_common import scoped_environ
 from rloo_lightning.runtime import sigterm
 
-__all__ = ["ChildEnded", "ChildProcess", "ChildStalled", "vllm_log_level"]
+__all__ = ["ChildEnded", "ChildProcess", "ChildStalled", "said_once", "vllm_log_level"]
 
 #: Environment of this process that would make the child believe it is a rank of the trainer's process group.
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
@@ -39,6 +39,16 @@ _request_ids = itertools.count()
 #: vLLM's log level in the child unless ``VLLM_LOGGING_LEVEL`` is set: its INFO lines (about 20 at start, 3 a push)
 #: describe its own setup, not the run.
 _VLLM_LOG_LEVEL = "WARNING"
+
+
+#: vLLM's set-up warnings that a child of this process said already (``vllm_child._OnceVLLMRecords``): a later child
+#: leaves them out.
+_said_once: set[str] = set()
+
+
+def said_once(names) -> None:
+    """Note the set-up warnings a child said (its ``build`` answer): no later child of this process says them."""
+    _said_once.update(names or ())
 
 
 def vllm_log_level() -> str:
@@ -71,7 +81,7 @@ class ChildProcess:
         self.stop_event = ctx.Event()
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads),
                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-               "VLLM_LOGGING_LEVEL": vllm_log_level(),
+               "VLLM_LOGGING_LEVEL": vllm_log_level(), "RLOO_VLLM_SAID_ONCE": ",".join(sorted(_said_once)),
                "TOKENIZERS_PARALLELISM": "false"}
         if device.type == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = _visible_device(device)
