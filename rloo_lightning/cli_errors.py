@@ -15,6 +15,7 @@ from pathlib import Path
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from rloo_lightning.engines.vllm_http import ServerDown, ServerFailed
 from rloo_lightning.runtime import framework
 from rloo_lightning.runtime.atomic_checkpoint import NoSpaceError
 from rloo_lightning.runtime.renamed import renamed_hint, renamed_option
@@ -23,7 +24,8 @@ __all__ = ["error_line", "parser_message", "renamed_message", "set_where", "unkn
 
 # Exception types whose message says it all; other types are named on the error line (NonFiniteError: ...).
 _PLAIN_ERRORS = (ValueError, RuntimeError, OSError, FileNotFoundError, FileExistsError, ImportError,
-                 ModuleNotFoundError, TypeError, NotImplementedError, MisconfigurationException, NoSpaceError)
+                 ModuleNotFoundError, TypeError, NotImplementedError, MisconfigurationException, NoSpaceError,
+                 ServerFailed, ServerDown)  # the vLLM server engine's: each names the server and what happened
 
 
 def _error_chain(exc: BaseException) -> list[BaseException]:

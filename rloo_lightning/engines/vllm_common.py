@@ -25,9 +25,9 @@ from torch import Tensor
 
 from rloo_lightning.engines.kv_cache import base_model
 
-__all__ = ["API_KEY_ENV", "architectures", "dtype_name", "lora_deltas", "named_weights", "pad_id", "padded_samples",
-           "refuse_repetition_penalty", "row_seeds", "sampling_params", "scoped_environ", "unpadded_prompts",
-           "unquantized_config"]
+__all__ = ["API_KEY_ENV", "architectures", "completion_fields", "dtype_name", "lora_deltas", "named_weights", "pad_id",
+           "padded_samples", "prompt_group_index", "refuse_repetition_penalty", "row_seeds", "sampling_params",
+           "scoped_environ", "unpadded_prompts", "unquantized_config"]
 
 #: The environment variable the servers' key is read from: by the server (its middleware, and vLLM's own ``/v1``
 #: guard), by ``rloo-lightning serve``, and by the trainer (``VLLMServerEngine``'s ``api_key_env`` default).
@@ -80,6 +80,24 @@ def sampling_params(config) -> dict:
                 # ignore_eos: vLLM would also stop at the EOS of the model's config; the module's EOS ids decide
                 max_tokens=int(config.max_new_tokens), stop_token_ids=eos, ignore_eos=True, logprobs=0,
                 detokenize=False)
+
+
+def completion_fields(config) -> dict:
+    """The server engine's completions request fields for the module's generation config (the sampling of
+    ``VLLMEngine``, token ids back)."""
+    params = sampling_params(config)
+    params.pop("detokenize")
+    return {**params, "return_token_ids": True, "skip_special_tokens": False}
+
+
+def prompt_group_index(prompts: list[list[int]]) -> list[int]:
+    """Each row's prompt group: runs of equal consecutive prompts (a rollout's k copies) share one."""
+    groups, g = [], -1
+    for i, prompt in enumerate(prompts):
+        if i == 0 or prompt != prompts[i - 1]:
+            g += 1
+        groups.append(g)
+    return groups
 
 
 def row_seeds(seed: int, rows: int) -> list[int]:

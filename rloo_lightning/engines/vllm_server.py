@@ -7,29 +7,27 @@ trainer node need not have it). Its HTTP client is ``vllm_http.py``, the parts o
 that loads a synced folder, the guard that puts every path behind the key) is ``vllm_server_side.py``;
 ``rloo-lightning serve`` starts a server with both.
 
-One step, seen from the engine (every rank runs it at the same point):
+One step, seen from the engine (every rank runs it at the same point; docs/vllm_server.md says why it is safe):
 
 1. **Sync, when the policy changed** (after every optimizer step, and at the start of fit / validate / test /
-   predict). Each rank first waits for its own requests in flight (they sample from the weights they were sent with).
-   Every rank then walks the policy's weights in the same order (an FSDP2 shard is gathered: a collective) and
-   computes the log-probs of a fixed canary sequence (a forward: a collective under FSDP2 too). Rank 0 alone writes
-   the weights as one safetensors file into a new folder under ``sync_dir`` (atomically: a partial folder is never
-   named), then for each server: ``/pause`` (waiting for whatever it still generates, for any rank), the worker
-   extension's load through ``/collective_rpc`` (it counts the tensors and bytes it consumed: fewer than written is
-   an error), ``/reset_prefix_cache`` (cached prompt blocks hold the old weights' keys and values), ``/resume``, and
-   the canary: the server's log-probs of the canary must equal the trainer's within ``canary_tolerance``, or the run
-   stops. Rank 0 then tells every rank how it went (a broadcast), so that all go on or all stop with one line.
-2. **Generate** (``submit`` / ``collect``, or ``generate``). Each row is a completions request of its own with its
-   own seed (as ``VLLMEngine`` seeds them), token ids in and token ids with their processed log-probs out. Rows map
-   to servers by prompt group and rank, the same on every run. Before a rank's rows go to a server, the server's
-   ``"<boot>:<tag>"`` is read (its process, and the sync it loaded last): another boot (a restarted server) or
-   another sync loads the current folder first, and is verified by the canary, so a restarted server is synced
-   before it samples; read again after the rows, a change means they are sampled again. A request past
-   ``request_timeout`` is aborted on the server, then sent again with the same id stem and seed (a row is kept once:
-   a retry can neither duplicate nor drop a sample).
+   predict): each rank waits for its own requests in flight, every rank walks the weights (a gather under FSDP2) and
+   computes the canary's log-probs; rank 0 writes one safetensors file into a new folder under ``sync_dir``, then
+   for each server ``/pause``, the worker extension's load (it counts what it consumed), ``/reset_prefix_cache``,
+   ``/resume`` and the canary (the server's log-probs of it must equal the trainer's within ``canary_tolerance``).
+   Every rank ends the sync the same way (:func:`~rloo_lightning.engines.vllm_sync.agreed`): a failure on any rank,
+   its rows before the sync included, ends every rank with one line.
+2. **Generate** (``submit`` / ``collect``, or ``generate``): each row a completions request with its own seed, rows
+   mapped to servers by prompt group and rank. Before a rank's rows go to a server its ``"<boot>:<tag>"`` is read:
+   another boot or sync loads (and verifies) the current folder first; read again after the rows, a change means
+   they are sampled again.
 
-Every failure ends in one line naming the address, within a bounded time: ``connect_timeout`` at start,
-``(retries + 1) × (request_timeout + reconnect_timeout)`` for a request, never a hang.
+**Liveness decides, not the longest timeout** (``vllm_http.py``): while a call is in flight the client watches the
+server (``/health``, and vLLM's progress counters on ``/metrics``), so that a server killed, shutting down, stopped
+or hung is known down within ``liveness_timeout + liveness_interval``, and a slow but alive one is never cut. **One
+rule for every call** (a row, a load, the canary, a state read): a server found down is waited for up to
+``reconnect_timeout``; then the current sync is loaded and verified again if it restarted, and the work done again
+with the same seeds (a row is kept once), ``retries`` times at most; otherwise one line naming the address and what
+was seen. Every wait in the trainer's thread honours a stop signal (:func:`rloo_lightning.runtime.sigterm.check`).
 """
 
 from __future__ import annotations
@@ -50,13 +48,13 @@ import torch
 from rloo_lightning.engines.base import GenerationEngine, Submitted
 from rloo_lightning.engines.kv_cache import base_model
 from rloo_lightning.engines.vllm_common import (
-    API_KEY_ENV, dtype_name, pad_id, padded_samples, refuse_repetition_penalty, row_seeds,
-    sampling_params, unpadded_prompts)
+    API_KEY_ENV, completion_fields, dtype_name, pad_id, padded_samples, prompt_group_index, refuse_repetition_penalty,
+    row_seeds, unpadded_prompts)
 from rloo_lightning.engines.vllm_http import (
-    ServerClient, ServerFailed, ServerRefused, ServerTimedOut, ServerUnreachable, one_line)
+    ServerClient, ServerDown, ServerFailed, ServerRefused, attempts, one_line, stopper)
 from rloo_lightning.engines.vllm_sync import (
-    Canary, Published, canary_ids, canary_logprobs, from_rank_zero, memory_folder, remove_older_syncs,
-    weights_to_write, world, write_sync_folder)
+    Canary, Published, agreed, canary_ids, canary_logprobs, memory_folder, remove_older_syncs, weights_to_write, world,
+    write_sync_folder)
 from rloo_lightning.runtime import sigterm
 
 __all__ = ["ServerBatch", "VLLMServerEngine"]
@@ -96,11 +94,17 @@ class VLLMServerEngine(GenerationEngine):
             file system when the servers are on other nodes). Default: a new folder in ``/dev/shm`` (memory; the
             system's temporary folder when it has no room for three copies of the weights), for servers on this
             node only. Only the current sync is kept (two while a sync replaces it): a restarted server loads it.
-        request_timeout: seconds one request may take (a row's completion, a load): past it, the request is aborted
-            on the server and sent again.
-        connect_timeout: seconds to wait for every server to answer at the start (a server starts in minutes).
-        reconnect_timeout: seconds to wait for a server that stopped answering (a restart) before a retry.
-        retries: attempts after the first, for each request; then the run ends with one line naming the server.
+        request_timeout: seconds a weight load may take (no progress counter moves while vLLM loads), and any call
+            that generates nothing. A row or the canary has no bound of its own while the server is alive and makes
+            progress; on a server without progress counters (``--disable-log-stats``) request_timeout bounds it.
+        connect_timeout: seconds to wait for every server at the start (said every 30 s).
+        reconnect_timeout: seconds to wait for a server found down to come back before one line ends the run.
+        retries: attempts after the first of a row, a load (with its canary) or a state read whose server was
+            found down and came back (or answered HTTP 5xx); then one line naming the server.
+        liveness_timeout: while a call is in flight, a server that has not answered ``/health`` (stopped, a lost
+            node), or whose progress counters on ``/metrics`` stood still (a hung engine), for this long is down;
+            one that refuses connections (shutting down, killed) or answers 503 (its engine ended), at once.
+        liveness_interval: seconds between two looks at a server with calls in flight.
         canary_tolerance: the largest difference allowed between the server's and the trainer's log-probs of the
             canary after a sync. 1e-3 is for a float32 server; a bfloat16 server differs by more (set 0.1 or so, and
             a sync that left the old weights is then caught only when they are that far apart).
@@ -118,7 +122,7 @@ class VLLMServerEngine(GenerationEngine):
     def __init__(self, urls: list[str] | None = None, api_key_env: str = API_KEY_ENV, sync_dir: str | None = None,
                  request_timeout: float = 600.0, connect_timeout: float = 600.0, reconnect_timeout: float = 120.0,
                  retries: int = 2, canary_tolerance: float = 1e-3, canary_tokens: int = 32,
-                 max_concurrency: int = 64) -> None:
+                 max_concurrency: int = 64, liveness_timeout: float = 25.0, liveness_interval: float = 5.0) -> None:
         urls = ["http://127.0.0.1:8000"] if urls is None else ([urls] if isinstance(urls, str) else list(urls))
         if not urls:
             raise ValueError("VLLMServerEngine urls must name at least one server (http://host:port)")
@@ -127,13 +131,17 @@ class VLLMServerEngine(GenerationEngine):
             if parsed.scheme not in ("http", "https") or not parsed.netloc:
                 raise ValueError(f"VLLMServerEngine urls: {url!r} is not an http(s)://host:port address")
         for name, value in (("request_timeout", request_timeout), ("connect_timeout", connect_timeout),
-                            ("reconnect_timeout", reconnect_timeout), ("canary_tolerance", canary_tolerance)):
+                            ("reconnect_timeout", reconnect_timeout), ("canary_tolerance", canary_tolerance),
+                            ("liveness_timeout", liveness_timeout), ("liveness_interval", liveness_interval)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"VLLMServerEngine {name} must be a number > 0, got {value!r}")
         for name, value, low in (("retries", retries, 0), ("canary_tokens", canary_tokens, 2),
                                  ("max_concurrency", max_concurrency, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"VLLMServerEngine {name} must be an integer >= {low}, got {value!r}")
+        if liveness_interval > liveness_timeout:
+            raise ValueError(f"VLLMServerEngine liveness_interval ({liveness_interval:g}) must be at most "
+                             f"liveness_timeout ({liveness_timeout:g})")
         if not isinstance(api_key_env, str) or not api_key_env:
             raise ValueError(f"VLLMServerEngine api_key_env must name an environment variable, got {api_key_env!r}")
         self.urls, self.api_key_env, self.sync_dir = [str(u).rstrip("/") for u in urls], api_key_env, sync_dir
@@ -141,6 +149,7 @@ class VLLMServerEngine(GenerationEngine):
                                                                               reconnect_timeout)
         self.retries, self.canary_tolerance, self.canary_tokens = retries, canary_tolerance, canary_tokens
         self.max_concurrency = max_concurrency
+        self.liveness_timeout, self.liveness_interval = liveness_timeout, liveness_interval
         self._reset()
 
     def _reset(self) -> None:
@@ -158,31 +167,24 @@ class VLLMServerEngine(GenerationEngine):
 
     # -- checks and connection, before any rollout -----------------------------------------------
     def prepare(self, model, tokenizer, generation_config) -> None:
-        """Connect to every server (waiting up to ``connect_timeout``) and check that it serves this policy: the same
-        architecture, vocabulary, hidden size and layers, processed log-probs, a dtype the tolerance allows, and a
-        vLLM recent enough. Every difference is said, with the server's address."""
+        """Connect to every server (waiting up to ``connect_timeout``, saying so every 30 s) and check that it serves
+        this policy: the same architecture, vocabulary, hidden size and layers, processed log-probs, a dtype the
+        tolerance allows, and a vLLM recent enough. Every difference is said, with the server's address."""
         refuse_repetition_penalty(generation_config, "VLLMServerEngine")
         key = os.environ.get(self.api_key_env, "")
         if not key:
             raise ValueError(f"VLLMServerEngine: set {self.api_key_env} to the key the server was started with "
                              f"(rloo-lightning serve reads {API_KEY_ENV})")
-        self._servers = [ServerClient(url, key, self.request_timeout) for url in self.urls]
-        for pool in (self._pool, self._rows_pool):  # a second prepare (another stage) starts afresh
-            if pool is not None:
-                pool.shutdown(wait=False)
+        self.close_connections()
+        self._servers = [ServerClient(url, key, self.request_timeout, self.liveness_timeout, self.liveness_interval)
+                         for url in self.urls]
         # Two pools: a server's batch waits on its rows, so they never share threads (no deadlock when full).
         self._pool = cf.ThreadPoolExecutor(len(self.urls) * 2, thread_name_prefix="rloo-vllm-server")
         self._rows_pool = cf.ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="rloo-vllm-rows")
         dtype = dtype_name(next(model.parameters()).dtype)
         for server in self._servers:
-            try:
-                server.wait_up(self.connect_timeout)
-            except ServerUnreachable as err:
-                raise ServerFailed(f"VLLMServerEngine: no vLLM server answered at {server.url} within "
-                                   f"connect_timeout={self.connect_timeout:g} s ({err}); start one with "
-                                   f"`rloo-lightning serve --model <policy> --port <port>` (docs/vllm_server.md)") \
-                    from None
-            server.check_serves(model, dtype, self.canary_tolerance)
+            server.connect(model, dtype, self.canary_tolerance, self.connect_timeout,
+                           stop=lambda: sigterm.check("waiting for a vLLM server"), say=sigterm.rank_zero())
         self.stale = True
 
     def on_weights_updated(self, model) -> None:
@@ -194,40 +196,76 @@ class VLLMServerEngine(GenerationEngine):
         if not os.environ.get(self.api_key_env):
             raise ValueError(f"{self.api_key_env} (the servers' key) is not set")
         for url in self.urls:
-            try:
-                ServerClient(url, "", 5).call("/health", timeout=5)
-            except (ServerUnreachable, ServerTimedOut, ServerRefused) as err:
-                raise ConnectionError(f"no vLLM server answers at {url} ({err})") from None
+            seen = ServerClient(url, "", 5).health(5)
+            if seen:
+                raise ConnectionError(f"no vLLM server answers at {url} (it "
+                                      f"{'did not answer /health within 5 s' if seen == 'silent' else seen})")
+
+    # -- the one rule of every call, and the waits in the trainer's thread ------------------------------------
+    def _attempts(self, server: ServerClient, what: str, work, stop):
+        """``work(attempt)`` under the one rule (:func:`~rloo_lightning.engines.vllm_http.attempts`)."""
+        def retried() -> None:
+            self._sums["retries"] += 1
+
+        return attempts(server, what, work, self.retries, self.reconnect_timeout, stop, retried)
+
+    def _wait(self, futures: list, cancelled: threading.Event, where: str) -> bool:
+        """Wait for ``futures`` in the trainer's thread, honouring a stop signal as every wait does
+        (:func:`rloo_lightning.runtime.sigterm.check`): with one process it raises there; with several ranks the wait
+        ends (False) and every call in flight is ended, so that the ranks stop together."""
+        try:
+            while cf.wait(futures, timeout=0.2).not_done:
+                if sigterm.check(where):
+                    self._end_calls(cancelled)
+                    return False
+        except BaseException:
+            self._end_calls(cancelled)
+            raise
+        return True
+
+    def _end_calls(self, cancelled: threading.Event) -> None:
+        cancelled.set()
+        for server in self._servers or []:
+            server.end_calls("stopped waiting (a stop signal)")
 
     # -- the sync ----------------------------------------------------------------------------------
-    def _sync(self, model) -> None:
+    def _sync(self, model) -> bool:
         """Publish the policy's weights to every server and verify them (see the module docstring); every rank
-        calls this at the same point."""
+        calls this at the same point, and every rank ends it the same way: synced (True), stopped by a signal (False),
+        or one ServerFailed line, also when the failure was one rank's (its rows before the sync)."""
         start = time.perf_counter()
-        self._drain()
         world_size, rank = world()
-        outcome: Published | str = ""
+        mine: Published | str | None = ""
+        try:
+            if not self._drain():
+                mine = None
+        except Exception as err:  # noqa: BLE001 - held: every rank learns it below, none waits in a collective
+            mine = one_line(err)
         with torch.no_grad():
             weights = weights_to_write(model, rank)  # a gather under FSDP2: every rank walks every weight
             ids = self._canary_ids(model)
             canary = Canary(ids, canary_logprobs(model, ids))  # a forward: every rank
-        if rank == 0:
+        if rank == 0 and mine == "":
             try:
-                outcome = self._publish(weights, canary)
-            except Exception as err:  # every rank learns it below, and all stop with this line
-                outcome = one_line(err)
-        outcome = from_rank_zero(outcome, world_size)
+                mine = self._publish(weights, canary)
+            except Exception as err:  # noqa: BLE001 - every rank learns it below, and all stop with this line
+                mine = one_line(err)
+        outcome = agreed(mine, world_size)
         if isinstance(outcome, str):
             raise ServerFailed(outcome)
+        if outcome is None:
+            return False
         self._current, self._canary, self.sync_count = outcome, canary, outcome.sync_id
         self.stale = False
         self._sums["sync_s"] += outcome.seconds
         self._sums["sync_mb"] += outcome.bytes / 2**20
         self._sums["load_s"] += outcome.load_s
         self._sums["sync_wait_s"] += time.perf_counter() - start
+        return True
 
-    def _publish(self, weights: dict, canary: Canary) -> Published:
-        """Rank 0: write the folder, load it into every server, verify; the outcome every rank takes."""
+    def _publish(self, weights: dict, canary: Canary) -> Published | None:
+        """Rank 0: write the folder, load it into every server, verify; the outcome every rank takes (None: a stop
+        signal ended it)."""
         start = time.perf_counter()
         size = sum(t.numel() * t.element_size() for t in weights.values())
         root = self.sync_dir or self._made_dir
@@ -238,38 +276,38 @@ class VLLMServerEngine(GenerationEngine):
         tag = f"{self._run}:{sync_id}"
         folder = write_sync_folder(root, self._run, sync_id, tag, weights)
         self._current, self._canary = Published(folder, tag, sync_id, len(weights), size), canary
-        load_s = 0.0
-        for server in self._servers:
+        cancelled = threading.Event()
+        stop = stopper(cancelled)
+
+        def load(server: ServerClient) -> float:
             with server.lock:
-                load_s = max(load_s, self._load(server, paused=True))
+                return self._attempts(server, f"weight sync {tag}", lambda n: self._load(server, paused=True), stop)
+
+        futures = [self._pool.submit(load, server) for server in self._servers]
+        if not self._wait(futures, cancelled, "loading the weights into a vLLM server"):
+            return None
+        load_s = max(f.result() for f in futures)
         remove_older_syncs(root, self._run, folder)  # a restarted server loads the current sync; nothing older
         return replace(self._current, load_s=load_s, seconds=time.perf_counter() - start)
 
     def _load(self, server: ServerClient, paused: bool) -> float:
         """Load the current folder into ``server`` and verify it (caller holds ``server.lock``). ``paused``: behind
         ``/pause`` (it waits for what the server still generates) and ``/resume``; a server just restarted has
-        nothing in flight."""
+        nothing in flight. :class:`ServerDown` when the server is found down at any of these calls."""
         sync = self._current
-        for attempt in range(self.retries + 1):
-            try:
+        try:
+            if paused:
+                server.call("/pause?mode=wait", {})
+            try:  # a load moves no progress counter: bounded by request_timeout, and ended when the server is down
+                loaded = server.rpc("rloo_load", sync.folder, sync.tag, timeout=self.request_timeout, watch="health")
+                server.call("/reset_prefix_cache", {}, timeout=self.request_timeout)
+            finally:
                 if paused:
-                    server.call("/pause?mode=wait", {}, timeout=self.request_timeout)
-                try:
-                    loaded = server.rpc("rloo_load", sync.folder, sync.tag, timeout=self.request_timeout)
-                    server.call("/reset_prefix_cache", {}, timeout=self.request_timeout)
-                finally:
-                    if paused:
-                        server.call("/resume", {}, timeout=self.request_timeout)
-                break
-            except (ServerUnreachable, ServerTimedOut) as err:
-                if attempt == self.retries:
-                    raise ServerFailed(f"VLLMServerEngine: {server.url} did not take weight sync {sync.tag} in "
-                                       f"{self.retries + 1} attempts ({err})") from None
-                self._await_restart(server)
-            except ServerRefused as err:
-                raise ServerFailed(f"VLLMServerEngine: {server.url} failed to load weight sync {sync.tag} from "
-                                   f"{sync.folder}: {err} (the server must read sync_dir: a file system both "
-                                   "see)") from None
+                    server.call("/resume", {}, timeout=self.request_timeout)
+        except ServerRefused as err:
+            raise ServerFailed(f"VLLMServerEngine: {server.url} failed to load weight sync {sync.tag} from "
+                               f"{sync.folder}: {err} (the server must read sync_dir: a file system both see)") \
+                from None
         if not isinstance(loaded, dict) or (loaded.get("tensors"), loaded.get("bytes")) != (sync.tensors, sync.bytes):
             raise ServerFailed(f"VLLMServerEngine: {server.url} loaded {loaded!r} of weight sync {sync.tag}, not the "
                                f"{sync.tensors} tensors ({sync.bytes} bytes) written")
@@ -279,9 +317,13 @@ class VLLMServerEngine(GenerationEngine):
     def _verify(self, server: ServerClient) -> None:
         """The canary: the server's log-probs of a fixed sequence equal the trainer's within the tolerance."""
         ids, expected = self._canary.ids, self._canary.logprobs
-        answer = server.call("/v1/completions", {"model": server.model, "prompt": ids, "max_tokens": 1,
-                                                 "temperature": 1.0, "prompt_logprobs": 0, "seed": 0},
-                             timeout=self.request_timeout)
+        try:
+            answer = server.call("/v1/completions", {"model": server.model, "prompt": ids, "max_tokens": 1,
+                                                     "temperature": 1.0, "prompt_logprobs": 0, "seed": 0},
+                                 timeout=self._row_timeout(server))
+        except ServerRefused as err:
+            raise ServerFailed(f"VLLMServerEngine: {server.url} refused the canary of weight sync "
+                               f"{self._current.tag}: {err}") from None
         steps = answer["choices"][0]["prompt_logprobs"][1:]
         got = [float(step[str(tok)]["logprob"]) for tok, step in zip(ids[1:], steps)]
         gap = max(abs(a - b) for a, b in zip(got, expected))
@@ -290,27 +332,17 @@ class VLLMServerEngine(GenerationEngine):
                                f"log-probs up to {gap:.3g} from the trainer's (canary_tolerance="
                                f"{self.canary_tolerance:g}): the server samples from other weights than the policy's")
 
-    def _await_restart(self, server: ServerClient) -> None:
-        try:
-            server.wait_up(self.reconnect_timeout)
-        except ServerUnreachable as err:
-            raise ServerFailed(f"VLLMServerEngine: {server.url} stopped answering and did not come back within "
-                               f"reconnect_timeout={self.reconnect_timeout:g} s ({err})") from None
+    def _row_timeout(self, server: ServerClient) -> float | None:
+        """A request that generates has no bound of its own where the watch sees the server's progress."""
+        return None if server.progress_signal else self.request_timeout
 
     def _ensure_current(self, server: ServerClient) -> str:
         """The server's ``"<boot>:<tag>"`` (its process, and the sync it last loaded), after loading the current
-        sync when it holds another (a restart, or another trainer's)."""
+        sync when it holds another (a restart, or another trainer's). :class:`ServerDown` when it is down."""
         with server.lock:
-            for attempt in range(self.retries + 1):
-                try:
-                    state = server.rpc("rloo_state", timeout=self.request_timeout)
-                    break
-                except (ServerUnreachable, ServerTimedOut) as err:
-                    if attempt == self.retries:
-                        raise ServerFailed(f"VLLMServerEngine: {server.url} does not answer ({err})") from None
-                    self._await_restart(server)
+            state = server.rpc("rloo_state", timeout=self.request_timeout)
             if state.split(":", 1)[1] != self._current.tag:
-                server.model = server.call("/v1/models", timeout=30)["data"][0]["id"]  # a restart may rename it
+                server.read_model()  # a restart may rename it
                 self._load(server, paused=False)
                 state = server.rpc("rloo_state", timeout=self.request_timeout)
             return state
@@ -320,13 +352,14 @@ class VLLMServerEngine(GenerationEngine):
         """Sync if the policy changed, send every row and return; :meth:`collect` waits for them."""
         if self._servers is None:
             self.prepare(model, tokenizer, generation_config)
-        if self.stale:
-            self._sync(model)
+        if self.stale and not self._sync(model):  # a stop signal (several ranks): the step is dropped
+            return Submitted(value=padded_samples([([], [])] * len(prompt_ids), pad_id(generation_config),
+                                                  prompt_ids.device), seconds=0.0)
         prompts = unpadded_prompts(prompt_ids, prompt_mask)
-        params = _request_params(generation_config)
+        params = completion_fields(generation_config)
         seeds = row_seeds(seed, len(prompts))
         world_size, rank = world()
-        groups = _group_index(prompts)
+        groups = prompt_group_index(prompts)
         by_server: dict[int, list[int]] = {}
         for i, g in enumerate(groups):
             by_server.setdefault((rank + g * world_size) % len(self._servers), []).append(i)
@@ -343,50 +376,59 @@ class VLLMServerEngine(GenerationEngine):
                      cancelled: threading.Event) -> dict[int, tuple]:
         """One server's rows of a batch: ``{row: (ids, logprobs)}``, sampled again if the server restarted while
         they ran (its boot or its sync changed)."""
+        stop = stopper(cancelled)
+        check = "the check of its weights before a batch"
         for _ in range(self.retries + 1):
-            before = self._ensure_current(server)
-            futures = {i: self._rows_pool.submit(self._row, server, prompt, params, row_seed, f"{stem}-{i}",
-                                                 cancelled) for i, prompt, row_seed in rows}
+            before = self._attempts(server, check, lambda n: self._ensure_current(server), stop)
+            futures = {i: self._rows_pool.submit(self._row, server, prompt, params, row_seed, f"{stem}-{i}", stop)
+                       for i, prompt, row_seed in rows}
+            cf.wait(futures.values())  # every row ends within its bound; none is left running
             out = {i: f.result() for i, f in futures.items()}
-            if self._ensure_current(server) == before:
+            if self._attempts(server, check, lambda n: self._ensure_current(server), stop) == before:
                 return out
             self._sums["retries"] += 1
         raise ServerFailed(f"VLLMServerEngine: {server.url} restarted during every one of {self.retries + 1} "
                            "attempts at a batch")
 
-    def _row(self, server: ServerClient, prompt: list[int], params: dict, row_seed: int, rid: str,
-             cancelled: threading.Event) -> tuple:
+    def _row(self, server: ServerClient, prompt: list[int], params: dict, row_seed: int, rid: str, stop) -> tuple:
         body = {"model": server.model, "prompt": prompt, "seed": row_seed, **params}
-        last = None
-        for attempt in range(self.retries + 1):
-            if cancelled.is_set():
-                return [], []
-            request_id = f"{rid}-a{attempt}"
+
+        def attempt(n: int) -> tuple:
+            stop()
+            if n:  # after the server was down: it may have restarted, and is synced and verified before it samples
+                self._ensure_current(server)
+                body["model"] = server.model
+            request_id = f"{rid}-a{n}"
             try:
                 answer = server.call("/v1/completions", {**body, "request_id": request_id},
-                                     timeout=self.request_timeout)
-                choice = answer["choices"][0]
-                return list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
-            except ServerTimedOut:
-                last = f"no answer within request_timeout={self.request_timeout:g} s"
-                server.abort(request_id)
-            except ServerUnreachable as err:
-                last = f"connection lost ({err})"
-                self._await_restart(server)
-                self._ensure_current(server)
+                                     timeout=self._row_timeout(server))
+            except ServerDown as down:
+                if down.answering:  # it may still be generating it (a hang, a timeout): dropped there first
+                    server.abort(request_id)
+                raise
             except ServerRefused as err:
                 if err.status < 500:  # the request itself is wrong: another attempt would be refused too
                     raise ServerFailed(f"VLLMServerEngine: {server.url} refused a completion request: {err}") \
                         from None
-                last = str(err)
-            self._sums["retries"] += 1
-        raise ServerFailed(f"VLLMServerEngine: {server.url} did not complete a row in {self.retries + 1} attempts "
-                           f"({last})")
+                raise ServerDown(server.url, str(err), answering=True) from None
+            choice = answer["choices"][0]
+            return list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
+
+        return self._attempts(server, "a row", attempt, stop)
 
     def collect(self, handle: Submitted):
+        """The batch of a :meth:`submit`, waiting for it (a stop signal is honoured while it waits: with several
+        ranks the rows end as empty completions, the step is dropped anyway)."""
         if handle.value is not None:
             return handle.value
         batch: ServerBatch = handle.key
+        try:
+            if not self._wait(list(batch.futures.values()), batch.cancelled, "waiting for a vLLM server's rows"):
+                self._abort_batch(handle)
+                return padded_samples([([], [])] * batch.rows, batch.pad, batch.device)
+        except BaseException:  # a stop that raises (one process), an interrupt
+            self._abort_batch(handle)
+            raise
         samples: list = [([], [])] * batch.rows
         try:
             for future in batch.futures.values():
@@ -400,21 +442,7 @@ class VLLMServerEngine(GenerationEngine):
         return handle.value
 
     def generate(self, model, tokenizer, prompt_ids, prompt_mask, generation_config, seed):
-        """:meth:`collect` of a :meth:`submit`; a stop signal while it waits aborts the rows on the servers (see
-        :func:`rloo_lightning.runtime.sigterm.check`): with several ranks they end as empty completions, the step is
-        dropped anyway."""
-        handle = self.submit(model, tokenizer, prompt_ids, prompt_mask, generation_config, seed)
-        batch: ServerBatch = handle.key
-        futures = list(batch.futures.values())
-        try:
-            while cf.wait(futures, timeout=0.2).not_done:
-                if sigterm.check("generation"):  # several ranks: every row ends here, the step is dropped
-                    self._abort_batch(handle)
-                    return padded_samples([([], [])] * batch.rows, batch.pad, batch.device)
-        except BaseException:  # a stop that raises (one process), an interrupt
-            self._abort_batch(handle)
-            raise
-        return self.collect(handle)
+        return self.collect(self.submit(model, tokenizer, prompt_ids, prompt_mask, generation_config, seed))
 
     def _abort_batch(self, handle: Submitted) -> None:
         """Ask every server to drop the rows of ``handle`` (best effort: a stop, an error); they are not retried."""
@@ -426,10 +454,13 @@ class VLLMServerEngine(GenerationEngine):
         for server in self._servers or []:
             server.abort(*ids)
 
-    def _drain(self) -> None:
-        """Wait for this rank's requests in flight (kept for their :meth:`collect`)."""
+    def _drain(self) -> bool:
+        """Wait for this rank's requests in flight (kept for their :meth:`collect`); False: a stop ended the wait."""
         for handle in list(self._pending):
             self.collect(handle)
+            if handle.seconds is None:  # ended by a stop: empty
+                return False
+        return True
 
     def _canary_ids(self, model) -> list[int]:
         if self._canary is not None:
@@ -440,21 +471,25 @@ class VLLMServerEngine(GenerationEngine):
     # -- figures -----------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         """Since the last call: ``train/weight_sync_s`` (rank 0's write, loads and checks), ``train/weight_sync_mb``,
-        ``train/weight_load_s`` (the slowest server's own load: reading the file into vLLM's parameters),
-        ``train/weight_sync_wait_s`` (this rank's wait: gather, canary, the broadcast) and
-        ``train/server_retries``."""
+        ``train/weight_load_s`` (the slowest server's own load), ``train/weight_sync_wait_s`` (this rank's wait:
+        gather, canary, the outcome's gather) and ``train/server_retries``."""
         s = self._sums
-        values = {"train/weight_sync_s": s["sync_s"], "train/weight_sync_mb": s["sync_mb"],
-                  "train/weight_load_s": s["load_s"],
-                  "train/weight_sync_wait_s": s["sync_wait_s"], "train/server_retries": s["retries"]}
+        values = {"train/weight_sync_s": s["sync_s"], "train/weight_sync_mb": s["sync_mb"], "train/weight_load_s":
+                  s["load_s"], "train/weight_sync_wait_s": s["sync_wait_s"], "train/server_retries": s["retries"]}
         self._sums = dict.fromkeys(s, 0.0)
         return values
 
-    def close(self) -> None:
-        """Drop the connections and the temporary sync folder; the servers keep running (and their weights)."""
+    def close_connections(self) -> None:
+        """End the threads and watches of this engine's connections (a second prepare starts afresh)."""
         for pool in (self._pool, self._rows_pool):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+        for server in self._servers or []:
+            server.close()
+
+    def close(self) -> None:
+        """Drop the connections and the temporary sync folder; the servers keep running (and their weights)."""
+        self.close_connections()
         if self._made_dir is not None:
             shutil.rmtree(self._made_dir, ignore_errors=True)
         self._reset()
@@ -463,20 +498,3 @@ class VLLMServerEngine(GenerationEngine):
         state = dict(self.__dict__)
         state.update(_servers=None, _pool=None, _rows_pool=None, _pending=[], stale=True, _canary=None, _made_dir=None)
         return state
-
-
-def _request_params(config) -> dict:
-    """The completions request's sampling fields for the module's generation config (those of ``VLLMEngine``)."""
-    params = sampling_params(config)
-    params.pop("detokenize")
-    return {**params, "return_token_ids": True, "skip_special_tokens": False}
-
-
-def _group_index(prompts: list[list[int]]) -> list[int]:
-    """Each row's prompt group: runs of equal consecutive prompts (a rollout's k copies) share one."""
-    groups, g = [], -1
-    for i, prompt in enumerate(prompts):
-        if i == 0 or prompt != prompts[i - 1]:
-            g += 1
-        groups.append(g)
-    return groups

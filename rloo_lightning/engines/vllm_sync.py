@@ -1,7 +1,7 @@
 """The pieces of :class:`~rloo_lightning.engines.vllm_server.VLLMServerEngine`'s weight sync that need no server: the
 weights rank 0 writes (:func:`weights_to_write`) and the folder it writes them into (:func:`write_sync_folder`,
 :func:`memory_folder`), the canary that verifies a load (:class:`Canary`, :func:`canary_ids`,
-:func:`canary_logprobs`), and what rank 0 tells every rank about a sync (:class:`Published`, :func:`from_rank_zero`).
+:func:`canary_logprobs`), and how a sync ends on every rank alike (:class:`Published`, :func:`agreed`).
 
 A sync is numbered by ``sync_id`` (1, 2, ... in a run) and named on the servers by its ``tag``,
 ``"<run>:<sync_id>"``. It is not an optimizer step: the policy is synced when it changed (after an optimizer step,
@@ -19,7 +19,7 @@ from torch import Tensor
 
 from rloo_lightning.engines.vllm_common import named_weights
 
-__all__ = ["Canary", "Published", "canary_ids", "canary_logprobs", "from_rank_zero", "memory_folder",
+__all__ = ["Canary", "Published", "agreed", "canary_ids", "canary_logprobs", "memory_folder",
            "remove_older_syncs", "weights_to_write", "world", "write_sync_folder"]
 
 _CANARY_SEED = 20240214
@@ -53,13 +53,21 @@ def world() -> tuple[int, int]:
     return 1, 0
 
 
-def from_rank_zero(outcome, world_size: int):
-    """Rank 0's ``outcome`` on every rank (a broadcast; itself with one process)."""
+def agreed(outcome: Published | str | None, world_size: int) -> Published | str | None:
+    """How a sync ends, the same on every rank (one gather; ``outcome`` itself with one process). Each rank gives
+    its ``outcome``: rank 0 the :class:`Published` sync, or a failure's line; another rank "" (its part went well),
+    a failure's line (its requests before the sync failed: held, so that no rank waits for it in a collective), or
+    None (a stop signal ended its wait). Any failure: the failures' lines (each with its rank when they differ);
+    else None if any rank was stopped; else rank 0's sync."""
     if world_size == 1:
         return outcome
-    box = [outcome]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
+    every: list = [None] * world_size
+    torch.distributed.all_gather_object(every, outcome)
+    failed = {rank: o for rank, o in enumerate(every) if isinstance(o, str) and o}
+    if failed:
+        lines = set(failed.values())
+        return lines.pop() if len(lines) == 1 else "; ".join(f"rank {r}: {line}" for r, line in failed.items())
+    return None if any(o is None for o in every) else every[0]
 
 
 def weights_to_write(model, rank: int) -> dict[str, Tensor]:

@@ -5,6 +5,10 @@ It speaks the part of vLLM's HTTP API that :class:`~rloo_lightning.engines.vllm_
 vLLM 0.32 with ``rloo-lightning serve``'s worker extension and key guard answers it:
 
 * ``GET /health`` (no key; 200, or 503 for a dead engine), ``GET /version``, ``GET /v1/models``;
+* ``GET /metrics``: vLLM's progress series (the Prometheus text of ``vllm:generation_tokens_total``,
+  ``vllm:prompt_tokens_total``, ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+  ``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries_total``, with vLLM's labels), counted as it works: a
+  request held without an answer moves none of them, as a hung engine's;
 * ``POST /collective_rpc`` with the worker extension's methods ``rloo_describe``, ``rloo_state`` and
   ``rloo_load`` (the safetensors files of a sync folder, loaded into the model in place and counted);
 * ``POST /pause?mode=wait|keep|abort``, ``POST /resume``, ``GET /is_paused``, ``POST /reset_prefix_cache``,
@@ -23,15 +27,17 @@ sync and fails after a wrong one.
 
 Faults, each switched on by the test (:meth:`StandinVLLM.fail_next` for the next N matching requests, the rest as
 methods or attributes): an HTTP 500, a connection dropped before or after the work, a request held without an answer
-(slower than any timeout; an abort or :meth:`release` ends it), a restart (another boot, dummy weights again, every
-connection in flight dropped), log-probs off on the canary, a key refused, a server that stops answering
-(:meth:`freeze`: connections accepted, never answered, ``/health`` included, or answering 200 as a hung engine's
-does), a load that takes nothing or ignores the files, and a drain as vLLM does on SIGTERM (:meth:`drain`:
-generation aborted, the connections in flight kept open without an answer, ``/health`` refused as the listener
-closes, or 503 with it open).
+(an abort, :meth:`release`, or its client going away ends it, as vLLM aborts a request whose client disconnected), a
+restart (another boot, dummy weights again, every connection in flight dropped), a kill (:meth:`kill`: the
+connections dropped, the listener closed, until :meth:`come_back`), a slow server (``token_delay``: a long generation
+that progresses), log-probs off on the canary, a key refused, a server that stops answering (:meth:`freeze`:
+connections accepted, never answered, ``/health`` included, or answering 200 as a hung engine's does), a load that
+takes nothing or ignores the files, and a drain as vLLM does on SIGTERM (:meth:`drain`: generation aborted, the
+connections in flight kept open without an answer, ``/health`` refused as the listener closes, or 503 with it open).
 
-Every request is written to :attr:`StandinVLLM.log` in the order received (its path, kind, seed, request id, and
-its outcome once known: the HTTP status, "dropped", "silent", ...; ``held`` when a fault held it), and
+Every request but the liveness looks (``GET /health``, ``GET /metrics``: counted in :attr:`StandinVLLM.probes`) is
+written to :attr:`StandinVLLM.log` in the order received (its path, kind, seed, request id, and its outcome once
+known: the HTTP status, "dropped", "silent", "client-gone", ...; ``held`` when a fault held it), and
 :meth:`StandinVLLM.wait_for` blocks until a condition on it holds: tests sequence faults on events, not sleeps.
 
 Run as a script (``python standin_vllm_server.py --model DIR --port N --key K``) it serves in a process of its own
@@ -44,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -55,7 +62,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 VLLM_VERSION = "0.32.0"
 #: What the stand-in's methods may be called with through ``/standin/control`` (the script mode).
-CONTROL = ("fail_next", "restart", "freeze", "thaw", "drain", "release", "refuse_key", "set")
+CONTROL = ("fail_next", "restart", "freeze", "thaw", "drain", "release", "refuse_key", "set", "kill", "come_back")
 
 
 @dataclass
@@ -82,6 +89,7 @@ class _InFlight:
     fate: str | None = None  # None: go on; "release", "abort", "drop", "silent"
     decided: threading.Event = field(default_factory=threading.Event)
     entry: dict = field(default_factory=dict)  # its line of the log
+    conn: socket.socket | None = None  # its connection (a client that closes it is seen while the request is held)
 
     def decide(self, fate: str) -> None:
         if self.fate is None or fate in ("drop", "silent"):
@@ -110,9 +118,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.standin._serve(self, "POST")
 
     def reply(self, status: int, payload) -> None:
-        raw = b"" if payload is None else json.dumps(payload).encode()
+        text = isinstance(payload, str)  # /metrics: Prometheus text
+        raw = b"" if payload is None else payload.encode() if text else json.dumps(payload).encode()
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", "text/plain; version=0.0.4" if text else "application/json")
         self.send_header("Content-Length", str(len(raw)))
         self.end_headers()
         self.wfile.write(raw)
@@ -157,6 +166,7 @@ class StandinVLLM:
         self._faults: list[Fault] = []
         self._inflight: list[_InFlight] = []
         self.log: list[dict] = []
+        self.probes: dict[str, int] = {}  # GET /health and /metrics answered or held (not in the log)
         self.boots = 0
         #: Added to every canary log-prob (a server whose log-probs disagree with the policy's); 0: honest.
         self.canary_offset = 0.0
@@ -166,6 +176,11 @@ class StandinVLLM:
         self.frozen: str | None = None  # None, or what /health does while frozen: "silent" or "200"
         self.draining: str | None = None  # None, "refused" or "503"
         self.paused: str | None = None  # None or the mode of the last /pause
+        #: Seconds each sampled token takes (a slow server: a long generation that progresses).
+        self.token_delay = 0.0
+        #: vLLM's progress counters on /metrics (see the module docstring); per boot, as vLLM's.
+        self.counters = dict.fromkeys(("generation_tokens_total", "prompt_tokens_total",
+                                       "prefix_cache_queries_total"), 0.0)
         self._boot()
         self._listener: _Listener | None = None
         self.port = port
@@ -214,6 +229,8 @@ class StandinVLLM:
         self.boots += 1
         self.boot = uuid.uuid4().hex[:12]
         self.version = ""
+        self.counters = dict.fromkeys(("generation_tokens_total", "prompt_tokens_total",
+                                       "prefix_cache_queries_total"), 0.0)
         if self.load_format == "auto":
             model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         else:
@@ -233,6 +250,28 @@ class StandinVLLM:
             self._boot()
             self.paused = None
         self._record("restart", "restart", outcome=self.boot)
+
+    def kill(self) -> None:
+        """As SIGKILL: every connection in flight dropped, the listener closed (new connections refused), until
+        :meth:`come_back`."""
+        self.stop_listening()
+        with self._cond:
+            for flight in self._inflight:
+                flight.decide("drop")
+            self._cond.notify_all()
+        self._record("kill", "kill")
+
+    def come_back(self) -> None:
+        """A new process on the same port (a supervisor's restart after :meth:`kill`, a drain, a freeze): another
+        boot, dummy weights, listening, neither frozen nor draining; whatever the old one held is dropped."""
+        with self._cond:
+            self.frozen = self.draining = None
+            for flight in self._inflight:
+                flight.decide("drop")
+            self._cond.notify_all()
+        self.restart()
+        if self._listener is None:
+            self.listen()
 
     def freeze(self, health: str = "silent") -> None:
         """Stop answering: every request is accepted and never answered until :meth:`thaw` (then served) or
@@ -280,9 +319,9 @@ class StandinVLLM:
             self._cond.notify_all()
 
     def set(self, **values) -> None:
-        """Set attributes (``canary_offset``, ``load_mode``, ``key``) in the script mode."""
+        """Set attributes (``canary_offset``, ``load_mode``, ``key``, ``token_delay``) in the script mode."""
         for name, value in values.items():
-            if name not in ("canary_offset", "load_mode", "key"):
+            if name not in ("canary_offset", "load_mode", "key", "token_delay"):
                 raise ValueError(f"cannot set {name}")
             setattr(self, name, value)
 
@@ -350,8 +389,13 @@ class StandinVLLM:
         kind = self.kind(method, path, body)
         seed = body.get("seed") if isinstance(body, dict) else None
         request_id = body.get("request_id") if isinstance(body, dict) else None
-        flight = _InFlight(kind, request_id, seed)
-        entry = self._record(path, kind, seed=seed, request_id=request_id, outcome=None)  # in the order received
+        flight = _InFlight(kind, request_id, seed, conn=handler.connection)
+        if method == "GET" and path in ("/health", "/metrics"):  # the trainer's liveness looks: counted, not logged
+            with self._cond:
+                self.probes[path] = self.probes.get(path, 0) + 1
+            entry = {"path": path, "kind": kind}
+        else:
+            entry = self._record(path, kind, seed=seed, request_id=request_id, outcome=None)  # in the order received
         if path == "/abort_requests" and isinstance(body, dict):
             entry["request_ids"] = sorted(body.get("request_ids") or [])
         flight.entry = entry
@@ -365,7 +409,7 @@ class StandinVLLM:
             self._finish(entry, str(status))
         except _Drop:
             handler.drop()
-            self._finish(entry, "dropped")
+            self._finish(entry, "client-gone" if entry.get("gone") else "dropped")
         except _Silent:
             self._finish(entry, "silent")
             self._closing.wait()
@@ -393,6 +437,9 @@ class StandinVLLM:
         while not flight.decided.wait(0.05):
             if self._closing.is_set():
                 flight.decide("drop")
+            elif why in ("fault", "paused") and _client_gone(flight.conn):  # as vLLM: a request whose client
+                flight.decide("drop")  # went away is aborted (a stopped or draining server sees nothing)
+                flight.entry["gone"] = True
         with self._cond:
             flight.held, flight.why = False, ""
         fate = flight.fate
@@ -449,6 +496,8 @@ class StandinVLLM:
                                                      "root": self.model_dir, "max_model_len": self.max_model_len}]}
         if path == "/v1/completions" and method == "POST":
             return self._completion(body, flight)
+        if path == "/metrics" and method == "GET":
+            return 200, self.metrics()
         if path == "/abort_requests" and method == "POST":
             ids = set(body.get("request_ids") or [])
             with self._cond:
@@ -493,6 +542,17 @@ class StandinVLLM:
         if path == "/reset_prefix_cache" and method == "POST":
             return 200, None
         return 404, {"detail": "Not Found"}
+
+    def metrics(self) -> str:
+        """vLLM's progress series as its ``/metrics`` serves them (Prometheus text, vLLM's labels)."""
+        with self._cond:
+            working = [f for f in self._inflight if f.kind in ("row", "canary")]
+            running = sum(1 for f in working if not f.held and f.entry.get("started"))
+            waiting = sum(1 for f in working if f.held and f.why == "paused")
+        labels = '{engine="0",model_name="%s"}' % self.served_name
+        values = {**{f"vllm:{k}": v for k, v in self.counters.items()}, "vllm:num_requests_running": running,
+                  "vllm:num_requests_waiting": waiting, "vllm:kv_cache_usage_perc": 0.0}
+        return "".join(f"{name}{labels} {float(v)}\n" for name, v in sorted(values.items()))
 
     # -- the worker extension -----------------------------------------------------------------------------------
     def _rpc(self, method: str, args: list[str]):
@@ -576,6 +636,10 @@ class StandinVLLM:
             eos = self.config.eos_token_id
             stops |= set([eos] if isinstance(eos, int) else (eos or []))
         generator = torch.Generator().manual_seed(int(body.get("seed") or 0) % 2**63)
+        flight.entry["started"] = True
+        with self._cond:
+            self.counters["prompt_tokens_total"] += len(prompt)
+            self.counters["prefix_cache_queries_total"] += len(prompt)
         ids, out, logps, finish = list(prompt), [], [], "length"
         prompt_logprobs = None
         with self._model_lock, torch.no_grad():
@@ -618,6 +682,10 @@ class StandinVLLM:
                 ids.append(token)
                 out.append(token)
                 logps.append(logp)
+                with self._cond:
+                    self.counters["generation_tokens_total"] += 1
+                if self.token_delay:
+                    time.sleep(self.token_delay)
                 if token in stops:
                     finish = "stop"
                     break
@@ -633,6 +701,17 @@ class StandinVLLM:
                      "created": int(time.time()), "model": self.served_name, "choices": [choice],
                      "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out),
                                "total_tokens": len(prompt) + len(out)}}
+
+
+def _client_gone(conn: socket.socket | None) -> bool:
+    """The client closed its end of ``conn`` (a read would find the end of the stream)."""
+    if conn is None:
+        return False
+    try:
+        readable, _, _ = select.select([conn], [], [], 0)
+        return bool(readable) and conn.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
 
 
 def _control(standin: StandinVLLM):
