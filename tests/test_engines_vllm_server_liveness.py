@@ -75,6 +75,7 @@ def test_a_server_that_fails_during_generation_and_stays_down_ends_within_its_bo
     with pytest.raises(RuntimeError) as err:
         engine.collect(handle)
     elapsed = time.monotonic() - start
+    print(f"{fault}: the rows ended {elapsed:.2f} s after the fault")  # the measured times of docs/vllm_server.md
     assert elapsed < detect + RECONNECT + SLACK, elapsed  # issue 58: it waited request_timeout (600 s) before
     _ended(err, standin.url, what)
     if fault.startswith("shutting down"):
@@ -341,3 +342,28 @@ def test_a_sigterm_to_the_server_process_ends_the_rows_within_the_liveness_bound
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+# -- ranks agree ----------------------------------------------------------------------------------------------------
+def test_a_sync_ends_the_same_way_on_every_rank(monkeypatch):
+    """The sync's outcome is gathered from every rank: a failure of any rank (rank 0's load, another rank's rows
+    before the sync) is every rank's line, a stop on any rank stops every rank, else every rank takes rank 0's sync."""
+    import torch
+
+    from rloo_lightning.engines.vllm_sync import Published, agreed
+
+    synced = Published("/sync/run-sync000002", "run:2", 2, 10, 100)
+
+    def gathered(*given):
+        def all_gather_object(out, mine):
+            out[:] = list(given)
+
+        monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
+        return agreed(given[0], len(given))
+
+    assert agreed(synced, 1) is synced
+    assert gathered(synced, "", "") is synced
+    assert gathered(synced, None, "") is None
+    assert gathered(synced, "VLLMServerEngine: http://b refused ...", "") == "VLLMServerEngine: http://b refused ..."
+    assert gathered("one line", "one line") == "one line"
+    assert gathered("a", "", "b") == "rank 0: a; rank 2: b"
