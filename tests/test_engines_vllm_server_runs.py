@@ -147,7 +147,7 @@ def test_a_server_killed_mid_run_ends_every_rank_with_one_line_naming_it(tmp_pat
         proc = start_cli(strategy, args, tmp_path, _env(tmp_path), timeout=240).wait()
         assert not proc.timed_out and proc.rc != 0, proc.explain()
         assert time.monotonic() - start < 200
-        line = rf"VLLMServerEngine: {server.url} stopped answering and did not come back within reconnect_timeout=5 s"
+        line = rf"VLLMServerEngine: {server.url} .*, and did not come back within reconnect_timeout=5 s"
         assert len(re.findall(line, proc.stderr)) >= 1, proc.explain()
         assert "Traceback" not in proc.stderr, proc.explain()
     finally:
