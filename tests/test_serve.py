@@ -91,6 +91,35 @@ def test_the_cli_routes_serve(monkeypatch):
     assert seen == [["--model", "x", "--dry-run"]]
 
 
+def test_a_negative_stop_grace_is_refused(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: object())
+    with pytest.raises(ValueError, match=r"--stop-grace must be >= 0 seconds, got -1"):
+        serve.main(["--model", "some/policy", "--stop-grace", "-1"])
+
+
+def test_serve_runs_vllm_with_its_variables_and_ends_with_its_memory_error_as_one_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(serve, "write_model_folder", lambda *a: None)
+    monkeypatch.setattr(serve, "cpu_build", lambda: False)
+    ran = {}
+
+    def run_tree(cmd, env, grace, filt):
+        ran.update(cmd=cmd, env=env, grace=grace)
+        for line in _FAILED_START:
+            filt.feed(line)
+        return 1
+
+    monkeypatch.setattr(serve, "run_tree", run_tree)
+    with pytest.raises(SystemExit) as ended:
+        serve.main(["--model", "some/policy", "--folder", str(tmp_path), "--stop-grace", "3"])
+    assert ended.value.code == 1
+    assert ran["env"]["VLLM_SERVER_DEV_MODE"] == "1" and ran["env"]["VLLM_API_KEY"] == "k" and ran["grace"] == 3
+    assert ran["cmd"][:3] == serve._vllm_serve(str(tmp_path))[:3]
+    assert capsys.readouterr().err == f"rloo-lightning serve: vLLM did not start: {_MEMORY_ERROR}\n"
+
+
 # -- the memory default of vLLM's CPU build --------------------------------------------------------------------
 GIB = 1 << 30
 
