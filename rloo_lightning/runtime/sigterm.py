@@ -215,10 +215,10 @@ def end_step(trainer, where: str, failure: BaseException | None = None, signals:
 
 
 def _one_line(error: BaseException) -> str:
-    """An error as the CLI's line says it (its message, with its class unless the package's own plain error)."""
-    from rloo_lightning.cli_errors import error_line  # the CLI's wording; imported late (the CLI imports this)
-
-    return error_line(error).removeprefix("error: ")
+    """An error in one line: its message, after its class's name unless a plain built-in error says it all."""
+    message = " ".join(str(error).split())
+    plain = type(error) in (RuntimeError, ValueError, OSError, TimeoutError, ConnectionError) and message
+    return message if plain else f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 def between_batches(trainer, where: str) -> None:
