@@ -94,8 +94,8 @@ def test_a_row_that_fails_every_attempt_ends_the_run_naming_the_server(standin, 
     standin.fail_next(2, "500", on="row")
     with pytest.raises(RuntimeError) as err:
         engine.generate(model, tok, ids[:1], mask[:1], config, seed=1)
-    assert one_line(err).startswith(f"VLLMServerEngine: {standin.url} did not complete a row in 2 attempts "
-                                     "(HTTP 500: ")
+    assert one_line(err) == (f"VLLMServerEngine: {standin.url} did not complete a row in 2 attempts (answered "
+                             "/v1/completions with HTTP 500: stand-in fault: internal server error)")
 
 
 # -- restarts -------------------------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ class ServerRefused(RuntimeError):
     """The server answered with an HTTP error."""
 
     def __init__(self, status: int, text: str) -> None:
-        super().__init__(f"HTTP {status}: {text}")
+        super().__init__(f"HTTP {status}: {_said(text)}")
         self.status = status
 
 
@@ -129,10 +129,13 @@ class ServerClient:
         return kind(self._host, self._port, timeout=timeout)
 
     def call(self, path: str, body: dict | None = None, timeout: float | None = None, method: str | None = None,
-             watch: str = "progress"):
+             watch: str = "progress", refused_5xx: bool = False):
         """``path``'s JSON answer. ``timeout``: this call's own bound in seconds (None: the watch alone bounds it);
         ``watch``: "progress" (the call needs the engine: ended when the server is down or makes no progress),
-        "health" (a weight load: ended when the server is down; its progress is not seen) or "none" (a probe)."""
+        "health" (a weight load: ended when the server is down; its progress is not seen) or "none" (a probe).
+        An HTTP error is :class:`ServerRefused`, but a 5xx is the server failing (its engine ended while it
+        shuts down: vLLM answers 500 then): :class:`ServerDown`, unless ``refused_5xx`` (the caller's own error,
+        e.g. a load that raised)."""
         data = None if body is None else json.dumps(body).encode()
         method = method or ("GET" if data is None else "POST")
         headers = {"Authorization": f"Bearer {self.key}", "Content-Type": "application/json"}
@@ -166,14 +169,18 @@ class ServerClient:
             raise ServerFailed(f"VLLMServerEngine: {self.url} refused the API key: the trainer sends the key in the "
                                f"environment variable the engine's api_key_env names; the server must have started "
                                f"with the same one in {API_KEY_ENV}")
+        if status >= 500 and not refused_5xx:
+            raise ServerDown(self.url, f"answered {path.split('?')[0]} with HTTP {status}: "
+                             f"{_said(raw[:400].decode(errors='replace'))}", answering=True)
         if status >= 400:
             raise ServerRefused(status, raw[:400].decode(errors="replace"))
         return json.loads(raw) if raw else None
 
-    def rpc(self, method: str, *args: str, timeout: float | None = None, watch: str = "progress"):
+    def rpc(self, method: str, *args: str, timeout: float | None = None, watch: str = "progress",
+            refused_5xx: bool = False):
         """The first worker's answer to the worker extension's ``method`` (every worker runs it)."""
         answer = self.call("/collective_rpc", {"method": method, "args": [str(a) for a in args]}, timeout=timeout,
-                           watch=watch)
+                           watch=watch, refused_5xx=refused_5xx)
         return answer["results"][0]
 
     def abort(self, *request_ids: str) -> None:
@@ -345,7 +352,7 @@ class ServerClient:
         ValueError saying every difference; then read the served model's name and context, and resume a server left
         paused."""
         try:
-            info = json.loads(self.rpc("rloo_describe", timeout=self.timeout))
+            info = json.loads(self.rpc("rloo_describe", timeout=self.timeout, refused_5xx=True))
         except ServerRefused as err:
             raise ServerFailed(f"VLLMServerEngine: {self.url} has no weight sync ({err}); start it with "
                                "`rloo-lightning serve` (dev mode and the worker extension "
@@ -422,6 +429,17 @@ def stopper(cancelled: threading.Event):
         return False
 
     return stop
+
+
+def _said(text: str) -> str:
+    """An HTTP error's body as a line: vLLM's ``{"error": {"message": ...}}`` (or ``{"detail": ...}``) message."""
+    try:
+        body = json.loads(text)
+        said = body.get("error", body.get("detail", text)) if isinstance(body, dict) else text
+        said = said.get("message", said) if isinstance(said, dict) else said
+    except ValueError:
+        said = text
+    return " ".join(str(said).split())
 
 
 def _connection_lost(err: BaseException) -> str:

@@ -299,7 +299,8 @@ class VLLMServerEngine(GenerationEngine):
             if paused:
                 server.call("/pause?mode=wait", {})
             try:  # a load moves no progress counter: bounded by request_timeout, and ended when the server is down
-                loaded = server.rpc("rloo_load", sync.folder, sync.tag, timeout=self.request_timeout, watch="health")
+                loaded = server.rpc("rloo_load", sync.folder, sync.tag, timeout=self.request_timeout, watch="health",
+                                    refused_5xx=True)  # the worker's own error: said with the folder, not retried
                 server.call("/reset_prefix_cache", {}, timeout=self.request_timeout)
             finally:
                 if paused:
@@ -406,11 +407,8 @@ class VLLMServerEngine(GenerationEngine):
                 if down.answering:  # it may still be generating it (a hang, a timeout): dropped there first
                     server.abort(request_id)
                 raise
-            except ServerRefused as err:
-                if err.status < 500:  # the request itself is wrong: another attempt would be refused too
-                    raise ServerFailed(f"VLLMServerEngine: {server.url} refused a completion request: {err}") \
-                        from None
-                raise ServerDown(server.url, str(err), answering=True) from None
+            except ServerRefused as err:  # a 4xx: the request itself is wrong, another attempt would be refused too
+                raise ServerFailed(f"VLLMServerEngine: {server.url} refused a completion request: {err}") from None
             choice = answer["choices"][0]
             return list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
 
