@@ -329,7 +329,19 @@ def test_a_server_stopped_then_continued_recovers_and_one_shut_down_ends_in_one_
 
         engine.reconnect_timeout = 5
         server.post("/pause?mode=keep")
+        sent = threading.Semaphore(0)
+        real_call = ServerClient.call
+
+        def call(client, path, *args, **kwargs):
+            if path == "/v1/completions":
+                sent.release()
+            return real_call(client, path, *args, **kwargs)
+
+        monkeypatch.setattr(ServerClient, "call", call)
         handle = engine.submit(model, tok, ids, mask, config, seed=8)
+        for _ in range(len(ids)):
+            assert sent.acquire(timeout=60)
+        time.sleep(1)  # the rows reach the paused server
         start = time.monotonic()
         server.proc.popen.send_signal(signal.SIGTERM)
         with pytest.raises(RuntimeError) as err:

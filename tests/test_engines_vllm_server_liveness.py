@@ -367,3 +367,61 @@ def test_a_sync_ends_the_same_way_on_every_rank(monkeypatch):
     assert gathered(synced, "VLLMServerEngine: http://b refused ...", "") == "VLLMServerEngine: http://b refused ..."
     assert gathered("one line", "one line") == "one line"
     assert gathered("a", "", "b") == "rank 0: a; rank 2: b"
+
+
+def _rank_syncs(rank: int, url: str, model_dir: str, port: int, sync_dir: str, out) -> None:
+    """One of two gloo ranks: a sync after rank 1's rows of the step before failed (its drain raises)."""
+    import torch
+
+    from rloo_lightning.engines.vllm_http import ServerFailed
+    from rloo_lightning.engines.vllm_server import VLLMServerEngine
+    from rloo_lightning.models.loading import load_tokenizer
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    os.environ["VLLM_API_KEY"] = KEY
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        tok = load_tokenizer(model_dir)
+        engine = VLLMServerEngine(urls=[url], sync_dir=sync_dir, connect_timeout=30, liveness_timeout=LIVE,
+                                  liveness_interval=TICK)
+        engine.prepare(model, tok, GenerationConfig(do_sample=True, max_new_tokens=4))
+        if rank == 1:
+            def failed() -> bool:
+                raise ServerFailed(f"VLLMServerEngine: {url} did not complete a row in 3 attempts (rank 1's)")
+
+            engine._drain = failed
+        try:
+            engine._sync(model)
+            out.put((rank, "synced"))
+        except ServerFailed as err:
+            out.put((rank, str(err)))
+        engine.close()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes that import torch: a minute on 2 cores
+def test_a_failure_of_one_ranks_rows_ends_every_rank_at_the_sync(standin, tiny_model_dir, tmp_path):
+    """Two gloo ranks: rank 1's rows before a sync failed. Every rank still joins the sync's collectives and ends it
+    with rank 1's line (none waits for it in a collective)."""
+    import torch.multiprocessing as mp
+
+    from vllm_server_helpers import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_syncs, args=(r, standin.url, tiny_model_dir, port, str(tmp_path / "sync"), out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    line = f"VLLMServerEngine: {standin.url} did not complete a row in 3 attempts (rank 1's)"
+    assert got == {0: line, 1: line}
