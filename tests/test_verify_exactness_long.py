@@ -3,7 +3,7 @@ study that measures every correction of ``model.correction`` on it (``experiment
 
 The toy's enumeration is the whole distribution and its lengths are long enough to matter; on the module's own
 step with a sampler that is not pi_theta, uncapped sequence weights are unbiased, no correction is detected as biased
-(the test of the test), and so is the geometric weight (a planted estimator that is not an importance weight); the
+(the test of the test), and so are the geometric weight (an estimator that is not an importance weight) and TOPR; the
 study's script runs at 2 draws and writes the record its table reads.
 """
 
@@ -48,7 +48,8 @@ def test_the_long_toy_enumerates_every_completion_and_they_are_long(toy):
     ({"level": "sequence", "cap": None}, True),
     ({"level": "none"}, False),
     ({"level": "geometric", "cap": None}, False),  # the geometric mean is not pi_theta / pi_s
-], ids=["sequence-IS", "none", "geometric"])
+    ({"level": "topr"}, False),  # the positive samples keep pi_s's distribution
+], ids=["sequence-IS", "none", "geometric", "topr"])
 def test_corrections_against_a_sampler_that_is_not_pi_theta(toy, correction, unbiased):
     draws, exact = off_policy_draws(toy, perturbed_table(toy, 0.3), 0, DRAWS, {"correction": correction})
     result = bias_and_variance(draws, exact)
@@ -63,4 +64,11 @@ def test_the_study_runs_at_two_draws(tmp_path):
     record = json.loads((tmp_path / "lag1_scale0.3.json").read_text())
     assert record["lag"] == 1 and record["max_len"] == 4 and set(record["corrections"]) == {"none", "TOPR"}
     assert {"unbiased", "relative_bias_debiased", "relative_variance"} <= set(record["corrections"]["TOPR"])
+    assert "sampler_mass_geometric_ratio_outside_0.9_1.1" in record
+    # a correction measured later joins the cell's record; --distances rewrites the exact distances only
+    study.main(["--draws", "2", "--lags", "1", "--scales", "0.3", "--max-len", "4", "--corrections", "Seq-TIS, cap 2",
+                "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "lag1_scale0.3.json").read_text())
+    assert list(record["corrections"]) == ["none", "Seq-TIS, cap 2", "TOPR"]
+    study.main(["--distances", "--out", str(tmp_path)])
     assert len(study.main(["--table", "--out", str(tmp_path)])) == 2

@@ -23,7 +23,9 @@ import torch
 
 from experiments.async_exactness.measure import mismatch
 from rloo_lightning.verify.exactness import perturbed_table
-from rloo_lightning.verify.exactness_long import bias_and_variance, make_long_toy, mean_lengths, off_policy_draws
+from rloo_lightning.verify.exactness_long import (
+    bias_and_variance, make_long_toy, mass_outside, mean_lengths, off_policy_draws,
+)
 
 RECORDS = Path(__file__).with_name("records")
 SCALES = (0.1, 0.3, 0.5)
@@ -40,6 +42,7 @@ CORRECTIONS: dict[str, dict] = {
     "Seq-MIS: sequence mask [0.5, 2]": {"level": "sequence", "mode": "mask", "cap": 2.0},
     "geometric weight, cap 2": {"level": "geometric", "cap": 2.0},
     "Geo-Mask [0.9, 1.1]": {"level": "geometric", "mode": "reject", "lower": 0.9, "cap": 1.1},
+    "Geo-Mask [0.5, 2]": {"level": "geometric", "mode": "reject", "lower": 0.5, "cap": 2.0},
     "token TIS + geometric reject [0.9, 1.1]": {"level": "token", "cap": 2.0, "reject": "geometric",
                                                 "reject_lower": 0.9, "reject_upper": 1.1},
     "token TIS + sequence reject [0.5, 2]": {"level": "token", "cap": 2.0, "reject": "sequence"},
@@ -47,21 +50,47 @@ CORRECTIONS: dict[str, dict] = {
 }
 
 
+# the filters' bands whose dropped mass each record states: (ratio, lower, upper)
+BANDS = (("sequence", 0.5, 2.0), ("geometric", 0.9, 1.1), ("geometric", 0.5, 2.0))
+
+
+def distance(toy, lag: int, scale: float) -> dict:
+    """The exact distance between the sampler and the policy of a (lag, scale), by enumeration (averaged over the
+    prompts): KL(pi_s || pi_theta) over whole completions, E_s[w^2] and P_s(w > 2) (experiments/async_exactness), the
+    sampler's mean length, and the mass each filter band of ``BANDS`` drops."""
+    other = perturbed_table(toy, scale)
+    sampler, policy = (other, toy.policy_table) if lag == 0 else (toy.policy_table, other)
+    out = mismatch(dataclasses.replace(toy, policy_table=sampler), policy)
+    out["mean_length_sampler"] = float(mean_lengths(toy, sampler).mean())
+    for kind, lower, upper in BANDS:
+        out[f"sampler_mass_{kind}_ratio_outside_{lower}_{upper}"] = mass_outside(toy, sampler, policy, kind, lower,
+                                                                                upper)
+    return out
+
+
 def cell(toy, lag: int, scale: float, names: list[str], draws: int, repeats: int, seed: int, alpha: float) -> dict:
     """One (lag, scale): the exact distance between sampler and policy, then each correction's bias and variance."""
     other = perturbed_table(toy, scale)
-    sampler, policy = (other, toy.policy_table) if lag == 0 else (toy.policy_table, other)
-    distance = mismatch(dataclasses.replace(toy, policy_table=sampler), policy)
-    distance["mean_length_sampler"] = float(mean_lengths(toy, sampler).mean())
     results = {}
     for name in names:
         start = time.perf_counter()
         sample, exact = off_policy_draws(toy, other, lag, draws, {"correction": CORRECTIONS[name]}, repeats, seed,
                                          BETA)
         results[name] = {**bias_and_variance(sample, exact, alpha), "seconds": round(time.perf_counter() - start, 1)}
-    return {"lag": lag, "scale": scale, **distance, "draws": draws, "repeats": repeats, "k": 4, "beta": BETA,
-            "prompts": len(toy.prompts), "max_len": toy.max_len, "seed": seed, "alpha": alpha,
+    return {"lag": lag, "scale": scale, **distance(toy, lag, scale), "draws": draws, "repeats": repeats, "k": 4,
+            "beta": BETA, "prompts": len(toy.prompts), "max_len": toy.max_len, "seed": seed, "alpha": alpha,
             "corrections": results}
+
+
+def merged(old: dict, new: dict) -> dict:
+    """``new``'s corrections added to ``old``'s record of the same cell (same draws, samples and toy): a correction
+    measured later joins the others, drawn on the same samples; ``old`` is replaced when the cell differs."""
+    same = ("draws", "repeats", "seed", "max_len", "alpha", "beta")
+    if any(old.get(key) != new[key] for key in same):
+        return new
+    corrections = {**old["corrections"], **new["corrections"]}
+    return {**old, **new, "corrections": {name: corrections[name] for name in CORRECTIONS if name in corrections},
+            "wall_s": round(old.get("wall_s", 0) + new["wall_s"], 1)}
 
 
 def table(records: list[dict]) -> str:
@@ -89,7 +118,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--alpha", type=float, default=1e-3, help="family-wise false-alarm rate (Bonferroni)")
     parser.add_argument("--out", type=Path, default=RECORDS, help="folder of the records, one per (lag, scale)")
     parser.add_argument("--table", action="store_true", help="print the table of the records in --out; draw nothing")
+    parser.add_argument("--distances", action="store_true",
+                        help="recompute the exact distances (no draws) of every record in --out, and write them there")
     args = parser.parse_args(argv)
+    if args.distances:
+        records = [json.loads(p.read_text()) for p in sorted(args.out.glob("lag*_scale*.json"))]
+        for rec in records:
+            rec.update(distance(make_long_toy(max_len=rec["max_len"]), rec["lag"], rec["scale"]))
+            (args.out / f"lag{rec['lag']}_scale{rec['scale']}.json").write_text(json.dumps(rec, indent=1) + "\n")
+        return records
     if args.table:
         records = [json.loads(p.read_text()) for p in sorted(args.out.glob("lag*_scale*.json"))]
         print(table(records))
@@ -104,7 +141,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             start = time.perf_counter()
             rec = cell(toy, lag, scale, args.corrections, args.draws, args.repeats, args.seed, args.alpha)
             rec.update(wall_s=round(time.perf_counter() - start, 1), torch=torch.__version__, torch_threads=1)
-            (args.out / f"lag{lag}_scale{scale}.json").write_text(json.dumps(rec, indent=1) + "\n")
+            path = args.out / f"lag{lag}_scale{scale}.json"
+            rec = merged(json.loads(path.read_text()), rec) if path.exists() else rec
+            path.write_text(json.dumps(rec, indent=1) + "\n")
             records.append(rec)
     print(table(records))
     return records

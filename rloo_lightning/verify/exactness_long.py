@@ -27,7 +27,7 @@ from rloo_lightning.verify.exactness import (
 )
 from rloo_lightning.verify.exactness_stale import stale_training_step_draws
 
-__all__ = ["make_long_toy", "mean_lengths", "off_policy_draws", "bias_and_variance"]
+__all__ = ["make_long_toy", "mean_lengths", "mass_outside", "off_policy_draws", "bias_and_variance"]
 
 
 def make_long_toy(max_len: int = 8, eos_bias: float = -1.0, seed: int = 0, **kwargs) -> Toy:
@@ -48,6 +48,21 @@ def mean_lengths(toy: Toy, policy_table: Tensor | None = None) -> Tensor:
     lengths = [float(len(y)) for y in enumerate_completions(toy)]
     probs = completion_probabilities(toy)
     return probs @ probs.new_tensor(lengths)
+
+
+def mass_outside(toy: Toy, sampler_table: Tensor, policy_table: Tensor, kind: str, lower: float,
+                 upper: float) -> float:
+    """The exact probability under the sampler that a completion's ratio pi_theta/pi_s (``sequence``: the product;
+    ``geometric``: the geometric mean of its token ratios, over its tokens, EOS included) lies outside
+    ``[lower, upper]``: the mass a filter with these bounds drops, averaged over the prompts."""
+    lengths = [float(len(y)) for y in enumerate_completions(toy)]
+    p_s = completion_probabilities(dataclasses.replace(toy, policy_table=sampler_table))
+    p_theta = completion_probabilities(dataclasses.replace(toy, policy_table=policy_table))
+    log_ratio = (p_theta / p_s).log()
+    if kind == "geometric":
+        log_ratio = log_ratio / log_ratio.new_tensor(lengths)
+    ratio = log_ratio.exp()
+    return float((p_s * ((ratio < lower) | (ratio > upper))).sum(1).mean())
 
 
 def off_policy_draws(toy: Toy, other_table: Tensor, lag: int, num_draws: int, options: dict | None = None,
