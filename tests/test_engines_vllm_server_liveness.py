@@ -425,3 +425,19 @@ def test_a_failure_of_one_ranks_rows_ends_every_rank_at_the_sync(standin, tiny_m
                 p.kill()
     line = f"VLLMServerEngine: {standin.url} did not complete a row in 3 attempts (rank 1's)"
     assert got == {0: line, 1: line}
+
+
+def test_rows_the_server_aborts_are_sampled_again_not_kept(standin, engines, policy):
+    """Rows in flight aborted by the server (vLLM shutting down, or another client's ``/pause?mode=abort``) come back
+    as empty completions with ``finish_reason: abort``: not samples. They are sent again with their seeds."""
+    model, tok, config, ids, mask = policy
+    engine = engines(standin)
+    expected = engine.generate(model, tok, ids, mask, config, seed=5)
+    engine.metrics()
+    handle = held_rows(standin, engine, policy, seed=5)
+    for path in ("/pause?mode=abort", "/resume"):
+        request = urllib.request.Request(standin.url + path, data=b"{}", method="POST",
+                                         headers={"Authorization": f"Bearer {KEY}"})
+        urllib.request.urlopen(request, timeout=10).read()
+    assert same(engine.collect(handle), expected)
+    assert engine.metrics()["train/server_retries"] >= ROWS

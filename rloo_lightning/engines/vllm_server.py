@@ -410,6 +410,8 @@ class VLLMServerEngine(GenerationEngine):
             except ServerRefused as err:  # a 4xx: the request itself is wrong, another attempt would be refused too
                 raise ServerFailed(f"VLLMServerEngine: {server.url} refused a completion request: {err}") from None
             choice = answer["choices"][0]
+            if choice.get("finish_reason") == "abort":  # not a sample: vLLM shutting down, or paused with mode=abort
+                raise ServerDown(server.url, "aborted the row (shutting down, or paused by another client)", True)
             return list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
 
         return self._attempts(server, "a row", attempt, stop)
