@@ -70,5 +70,8 @@ def test_the_study_runs_at_two_draws(tmp_path):
                 "--out", str(tmp_path)])
     record = json.loads((tmp_path / "lag1_scale0.3.json").read_text())
     assert list(record["corrections"]) == ["none", "Seq-TIS, cap 2", "TOPR"]
+    study.main(["--draws", "2", "--lags", "0", "--sampler-temperatures", "0.8", "--max-len", "4", "--corrections",
+                "none", "--out", str(tmp_path)])  # a sampler at another temperature than the policy's log-probs
+    assert json.loads((tmp_path / "lag0_temperature0.8.json").read_text())["sequence_kl_sampler_to_policy"] > 0
     study.main(["--distances", "--out", str(tmp_path)])
-    assert len(study.main(["--table", "--out", str(tmp_path)])) == 2
+    assert len(study.main(["--table", "--out", str(tmp_path)])) == 3

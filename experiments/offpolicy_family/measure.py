@@ -3,10 +3,12 @@
 On the toy of ``rloo_lightning/verify/exactness_long.py`` (3 prompts, completions of up to 8 tokens over {a, b} and
 EOS, exact by enumeration) each correction of ``model.correction`` is drawn on the module's own ``training_step``
 (``off_policy_draws``): at lag 0 with a sampler whose logits are the policy's plus ``scale * N(0, 1)``
-(``perturbed_table``, seed 1), at lag 1 through the pipeline with the policy moved by the same perturbation between
+(``perturbed_table``, seed 1) or that samples at another temperature (``--sampler-temperatures``),
+at lag 1 through the pipeline with the policy moved by the same perturbation between
 the step that sampled and the step that trains. Every correction of a cell sees the same samples (seed 0).
 
     python -m experiments.offpolicy_family.measure --lags 0 --scales 0.1 0.3 0.5     # one record per (lag, scale)
+    python -m experiments.offpolicy_family.measure --lags 0 --sampler-temperatures 0.8  # sampling at 0.8, not 0.7
     python -m experiments.offpolicy_family.measure --table                          # the table of every record
 """
 
@@ -54,11 +56,21 @@ CORRECTIONS: dict[str, dict] = {
 BANDS = (("sequence", 0.5, 2.0), ("geometric", 0.9, 1.1), ("geometric", 0.5, 2.0))
 
 
-def distance(toy, lag: int, scale: float) -> dict:
-    """The exact distance between the sampler and the policy of a (lag, scale), by enumeration (averaged over the
-    prompts): KL(pi_s || pi_theta) over whole completions, E_s[w^2] and P_s(w > 2) (experiments/async_exactness), the
-    sampler's mean length, and the mass each filter band of ``BANDS`` drops."""
-    other = perturbed_table(toy, scale)
+def other_table(toy, scale: float, temperature: float | None = None):
+    """The table that is not the policy's: the policy's logits plus ``scale * N(0, 1)`` (``perturbed_table``, seed 1),
+    or (``temperature``) the policy's logits scaled so that sampling at the toy's temperature samples at
+    ``temperature``: a sampler at another temperature than the policy's log-probs (lag 0 only)."""
+    return perturbed_table(toy, scale) if temperature is None else toy.policy_table * toy.temperature / temperature
+
+
+def record_name(lag: int, scale: float, temperature: float | None) -> str:
+    return f"lag{lag}_" + (f"scale{scale}" if temperature is None else f"temperature{temperature}") + ".json"
+
+
+def distance(toy, lag: int, other) -> dict:
+    """The exact distance between the sampler and the policy of a cell whose other table is ``other``, by enumeration
+    (averaged over the prompts): KL(pi_s || pi_theta) over whole completions, E_s[w^2] and P_s(w > 2)
+    (experiments/async_exactness), the sampler's mean length, and the mass each filter band of ``BANDS`` drops."""
     sampler, policy = (other, toy.policy_table) if lag == 0 else (toy.policy_table, other)
     out = mismatch(dataclasses.replace(toy, policy_table=sampler), policy)
     out["mean_length_sampler"] = float(mean_lengths(toy, sampler).mean())
@@ -68,24 +80,26 @@ def distance(toy, lag: int, scale: float) -> dict:
     return out
 
 
-def cell(toy, lag: int, scale: float, names: list[str], draws: int, repeats: int, seed: int, alpha: float) -> dict:
-    """One (lag, scale): the exact distance between sampler and policy, then each correction's bias and variance."""
-    other = perturbed_table(toy, scale)
+def cell(toy, lag: int, scale: float, temperature: float | None, names: list[str], draws: int, repeats: int,
+         seed: int, alpha: float) -> dict:
+    """One (lag, scale or sampler temperature): the exact distance between sampler and policy, then each correction's
+    bias and variance."""
+    other = other_table(toy, scale, temperature)
     results = {}
     for name in names:
         start = time.perf_counter()
         sample, exact = off_policy_draws(toy, other, lag, draws, {"correction": CORRECTIONS[name]}, repeats, seed,
                                          BETA)
         results[name] = {**bias_and_variance(sample, exact, alpha), "seconds": round(time.perf_counter() - start, 1)}
-    return {"lag": lag, "scale": scale, **distance(toy, lag, scale), "draws": draws, "repeats": repeats, "k": 4,
-            "beta": BETA, "prompts": len(toy.prompts), "max_len": toy.max_len, "seed": seed, "alpha": alpha,
-            "corrections": results}
+    return {"lag": lag, "scale": scale, "sampler_temperature": temperature, **distance(toy, lag, other),
+            "draws": draws, "repeats": repeats, "k": 4, "beta": BETA, "prompts": len(toy.prompts),
+            "max_len": toy.max_len, "seed": seed, "alpha": alpha, "corrections": results}
 
 
 def merged(old: dict, new: dict) -> dict:
     """``new``'s corrections added to ``old``'s record of the same cell (same draws, samples and toy): a correction
     measured later joins the others, drawn on the same samples; ``old`` is replaced when the cell differs."""
-    same = ("draws", "repeats", "seed", "max_len", "alpha", "beta")
+    same = ("draws", "repeats", "seed", "max_len", "alpha", "beta", "sampler_temperature")
     if any(old.get(key) != new[key] for key in same):
         return new
     corrections = {**old["corrections"], **new["corrections"]}
@@ -95,11 +109,13 @@ def merged(old: dict, new: dict) -> dict:
 
 def table(records: list[dict]) -> str:
     """One markdown table of ``records`` (sorted by lag, scale)."""
-    lines = ["| lag | scale | seq KL | correction | unbiased | max abs z | relative bias (debiased) | noise floor | "
+    lines = ["| lag | sampler | seq KL | correction | unbiased | max abs z | relative bias (debiased) | noise floor | "
              "relative variance |", "|---|---|---|---|---|---|---|---|---|"]
-    for rec in sorted(records, key=lambda r: (r["lag"], r["scale"])):
+    for rec in sorted(records, key=lambda r: (r["lag"], r.get("sampler_temperature") or 0, r["scale"])):
+        temperature = rec.get("sampler_temperature")
+        sampler = f"scale {rec['scale']}" if temperature is None else f"T {temperature}"
         for name, r in rec["corrections"].items():
-            lines.append(f"| {rec['lag']} | {rec['scale']} | {rec['sequence_kl_sampler_to_policy']:.3f} | {name} | "
+            lines.append(f"| {rec['lag']} | {sampler} | {rec['sequence_kl_sampler_to_policy']:.3f} | {name} | "
                          f"{'yes' if r['unbiased'] else '**no**'} | {r['max_abs_z']:.1f} | "
                          f"{r['relative_bias_debiased']:.3f} | {r['relative_bias_noise_floor']:.3f} | "
                          f"{r['relative_variance']:.3f} |")
@@ -110,6 +126,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lags", type=int, nargs="+", default=[0, 1], choices=[0, 1])
     parser.add_argument("--scales", type=float, nargs="+", default=list(SCALES))
+    parser.add_argument("--sampler-temperatures", type=float, nargs="+",
+                        help="instead of --scales (lag 0 only): the sampler samples at these temperatures, the "
+                             "policy's log-probs stay at the toy's 0.7")
     parser.add_argument("--corrections", nargs="+", choices=list(CORRECTIONS), default=list(CORRECTIONS))
     parser.add_argument("--draws", type=int, default=300, help="training steps (independent draws) per cell")
     parser.add_argument("--repeats", type=int, default=16, help="copies of each prompt in a batch")
@@ -121,14 +140,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--distances", action="store_true",
                         help="recompute the exact distances (no draws) of every record in --out, and write them there")
     args = parser.parse_args(argv)
+    if args.sampler_temperatures and args.lags != [0]:
+        parser.error("--sampler-temperatures is a sampler that is not pi_theta: --lags 0 only")
     if args.distances:
-        records = [json.loads(p.read_text()) for p in sorted(args.out.glob("lag*_scale*.json"))]
+        records = [json.loads(p.read_text()) for p in sorted(args.out.glob("lag*_*.json"))]
         for rec in records:
-            rec.update(distance(make_long_toy(max_len=rec["max_len"]), rec["lag"], rec["scale"]))
-            (args.out / f"lag{rec['lag']}_scale{rec['scale']}.json").write_text(json.dumps(rec, indent=1) + "\n")
+            toy, temperature = make_long_toy(max_len=rec["max_len"]), rec.get("sampler_temperature")
+            rec.update(distance(toy, rec["lag"], other_table(toy, rec["scale"], temperature)))
+            (args.out / record_name(rec["lag"], rec["scale"], temperature)).write_text(json.dumps(rec, indent=1) + "\n")
         return records
     if args.table:
-        records = [json.loads(p.read_text()) for p in sorted(args.out.glob("lag*_scale*.json"))]
+        records = [json.loads(p.read_text()) for p in sorted(args.out.glob("lag*_*.json"))]
         print(table(records))
         return records
     warnings.filterwarnings("ignore", message=".*self.log.*")
@@ -136,12 +158,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     toy = make_long_toy(max_len=args.max_len)
     args.out.mkdir(parents=True, exist_ok=True)
     records = []
+    cells = [(0.0, t) for t in args.sampler_temperatures] if args.sampler_temperatures else \
+        [(scale, None) for scale in args.scales]
     for lag in args.lags:
-        for scale in args.scales:
+        for scale, temperature in cells:
             start = time.perf_counter()
-            rec = cell(toy, lag, scale, args.corrections, args.draws, args.repeats, args.seed, args.alpha)
+            rec = cell(toy, lag, scale, temperature, args.corrections, args.draws, args.repeats, args.seed, args.alpha)
             rec.update(wall_s=round(time.perf_counter() - start, 1), torch=torch.__version__, torch_threads=1)
-            path = args.out / f"lag{lag}_scale{scale}.json"
+            path = args.out / record_name(lag, scale, temperature)
             rec = merged(json.loads(path.read_text()), rec) if path.exists() else rec
             path.write_text(json.dumps(rec, indent=1) + "\n")
             records.append(rec)
