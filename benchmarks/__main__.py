@@ -28,6 +28,7 @@ BENCHMARKS = {
     "threads_effect": "torch's CPU thread count against the quickstart's speed, idle and beside a busy process",
     "sync_transport": "moving weights to a generation server on a CPU: a safetensors folder against a gloo broadcast",
     "vllm_compare": "step time, generation time and tokens/s: the default engine, VLLMEngine, TRL's colocated vLLM",
+    "checkpoint_cost": "seconds and bytes of one last.ckpt write against the step time (quickstart, SmolLM2)",
 }
 
 
