@@ -69,7 +69,8 @@ def measure(name: str, steps: int) -> dict:
         command = [sys.executable, "-m", "rloo_lightning", "fit", *CONFIGS[name], "--trainer.max_steps", str(steps),
                    "--trainer.limit_val_batches", "0", "--model.validation.at_start", "false",
                    "--model.run.checkpoint_every_n_steps", "1", "--trainer.default_root_dir", root,
-                   "--trainer.enable_progress_bar", "false", "--trainer.callbacks+=benchmarks.checkpoint_cost.SaveTimer"]
+                   "--trainer.enable_progress_bar", "false",
+                   "--trainer.callbacks+=benchmarks.checkpoint_cost.SaveTimer"]
         env = dict(os.environ, **{RECORD_ENV: str(record)}, PYTHONPATH=str(ROOT))
         subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True)
         data = json.loads(record.read_text())

@@ -206,7 +206,7 @@ def test_a_renamed_option_is_answered_with_its_new_name_in_python_on_the_command
     assert as_group(RolloutArgs, {"lag": 2}).lag == 2
 
 
-def test_the_old_lag_option_on_the_command_line_and_in_a_config_names_the_new_one(no_model, capsys):
+def test_the_old_lag_option_on_the_command_line_and_in_a_config_names_the_new_one(no_model, capsys):  # noqa: F811
     base = ["fit", "--config", str(QUICKSTART)]
     line = _error(capsys, [*base, "--model.rollout.max_staleness", "1"], 2)
     assert line == "error: unknown option --model.rollout.max_staleness; did you mean --model.rollout.lag?"

@@ -3,8 +3,8 @@
 With ``rollout.lag`` K = 1, step 1 of a fit trains on the rollout that the module's
 :class:`~rloo_lightning.pipeline.RolloutPipeline` submitted at step 0. The enumerable toy of
 ``rloo_lightning/verify/exactness.py`` makes that happen on the real ``training_step``
-(:func:`~rloo_lightning.verify.exactness_stale.check_stale_training_step`): step 0 with the policy at ``theta_0`` (the toy's
-table) submits positions 0 and 1 through the engine's ``submit``; the policy then holds
+(:func:`~rloo_lightning.verify.exactness_stale.check_stale_training_step`): step 0 with the policy at ``theta_0``
+(the toy's table) submits positions 0 and 1 through the engine's ``submit``; the policy then holds
 ``theta_1 = theta_0 + scale * N(0, 1)`` and step 1 trains on position 1's rollout, sampled from ``theta_0``. Each
 draw is ``-grad`` of step 1's loss; the target is the exact ``grad J`` at ``theta_1``. For each scale and correction
 this prints one JSON object (and writes it beside this file, or to ``--out``), then a markdown table.
