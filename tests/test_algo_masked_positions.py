@@ -22,11 +22,11 @@ from rloo_lightning.algo.kl import KL_ESTIMATORS, fold_kl, kl_per_token, reward_
 from rloo_lightning.algo.losses import AGGREGATION_MODES, aggregate_token_loss
 
 PLACEMENTS = ("reward", "token_reward", "loss")
-LEVELS = ("sequence", "token")
-MODES = ("truncate", "mask")
+LEVELS = ("sequence", "token", "geometric", "topr")
+MODES = ("truncate", "mask", "reject")
 # (mode, cap, lower): untruncated, TIS-capped; mask mode with no bound, its default lower bound 1/cap, an explicit one
 WEIGHTINGS = (("truncate", None, None), ("truncate", 2.0, None), ("mask", None, None), ("mask", 2.0, None),
-              ("mask", 2.0, 0.1))
+              ("mask", 2.0, 0.1), ("reject", 2.0, 0.5))
 
 INF, NAN = math.inf, math.nan
 # (value for logp, value for ref_logp / sampler_logp) written at every masked position
@@ -199,8 +199,8 @@ def test_mismatch_sums_ignore_extremes_at_masked_positions():
 def test_correction_is_unchanged_on_ordinary_inputs():
     """On finite inputs the selection gives, bit for bit, what the multiplication gave."""
     log_ratio = (LOGP - OTHER) * MASK  # the old masking, fine when finite
-    for level in LEVELS:
-        for mode, cap, lower in WEIGHTINGS:
+    for level in ("sequence", "token"):  # the levels and modes that were written with the multiplication
+        for mode, cap, lower in [w for w in WEIGHTINGS if w[0] != "reject"]:
             w = torch.exp(log_ratio.sum(1) if level == "sequence" else log_ratio)
             if mode == "truncate":
                 w = w if cap is None else w.clamp(max=cap)
@@ -225,7 +225,7 @@ def test_inf_sampler_logp_at_padding_does_not_poison_the_weights():
     logp = torch.tensor([[-0.5, -1.0, -2.0]])
     sampler = torch.tensor([[-0.6, -1.0, -INF]])
     assert torch.isnan((logp - sampler) * mask).any()  # what the multiplication did
-    for level in LEVELS:
+    for level in ("sequence", "token"):
         w = importance_weights(logp, sampler, mask, level, "truncate", cap=None)
         assert torch.isfinite(w).all()
         assert level == "sequence" or w[0, 2] == 0
