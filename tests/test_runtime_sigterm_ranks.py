@@ -74,37 +74,23 @@ def test_a_reward_error_on_rank_1_in_step_3_ends_every_rank_with_one_line_keepin
                                                                                          _cache_dir, strategy):
     """Rank 1's reward raises (``rewards.on_error: raise``) in step 3; rank 0 is not left waiting in a collective:
     both end with exit 1 at the step's agreement point, the line names rank 1 and its error and the last.ckpt of
-    step 2, written by every rank together; resumed, the run ends where the uninterrupted one does."""
-    def env(name: str, at: int) -> dict:
-        return make_env(_cache_dir, STOP_LOG=str(tmp_path / f"events-{name}"), FAIL_AT_CALL=str(at), FAIL_RANK="1")
-
+    step 2, written by every rank together (the rewound checkpoint of a stop inside a step: its resume is checked
+    bit-identical by the SIGTERM test above and, for a failure, with one process in test_callbacks_final_checkpoint)."""
+    env = make_env(_cache_dir, STOP_LOG=str(tmp_path / "events"), FAIL_AT_CALL="2", FAIL_RANK="1")
     extra = [*COMMON, *STRATEGIES[strategy], "--model.rewards.funcs", "[stop_helpers.reward_that_fails]",
              "--model.rewards.on_error", "raise"]
-    a, c = tmp_path / "a", tmp_path / "c"
-    procs = [start_cli("a", _args(a, tiny_model_dir, *extra), a, env("a", -1), timeout=TIMEOUT),
-             start_cli("c", _args(c, tiny_model_dir, *extra), c, env("c", 2), timeout=TIMEOUT)]
-    wait_all(*procs)
-    procs[0].check()
-    failed = procs[1]
+    failed = start_cli("c", _args(tmp_path, tiny_model_dir, *extra), tmp_path, env, timeout=TIMEOUT)
+    wait_all(failed)
     assert failed.rc == 1 and not failed.timed_out, failed.explain()  # every rank ended: none left waiting
-    last = _last(c, 0)
+    last = _last(tmp_path, 0)
     errors = [line for line in failed.stderr.splitlines() if line.startswith("error: ")]
     assert errors and all("rank 1: " in e and "reward failed on call 2" in e for e in errors), failed.explain()
     assert any(e.endswith(f"{last} holds step 2: resume with --ckpt_path {last}") for e in errors), failed.explain()
     assert "Connection closed by peer" not in failed.stderr and "Traceback" not in failed.stderr, failed.explain()
     meta = torch.load(last / "meta.pt" if last.is_dir() else last, map_location="cpu", weights_only=False)
     assert meta["global_step"] == 2
-    wait_all(start_cli("c2", _args(c, tiny_model_dir, *extra, "--ckpt_path", last), c, env("c2", -1),
-                       timeout=TIMEOUT))
-    end, ref = _last(c, 1), _last(a, 0)
-    if not end.is_dir():
-        _assert_same_checkpoint(end, ref)
-        return
-    got, want = _weights_and_optimizer(end, tmp_path / "got"), _weights_and_optimizer(ref, tmp_path / "want")
-    for what in ("state_dict", "optimizer_0"):
-        flat_g, flat_w = _flat_tensors(got[what]), _flat_tensors(want[what])
-        assert flat_g.keys() == flat_w.keys() and flat_g, what
-        assert not [k for k in flat_w if not torch.equal(flat_g[k], flat_w[k])], what
+    if last.is_dir():  # FSDP2: both ranks wrote their shards of it
+        assert len(list(last.glob("*.distcp"))) == 2, sorted(p.name for p in last.iterdir())
 
 
 # -- two nodes (one process each, as two machines sharing a file system): a stop during one node's set-up ---------
