@@ -35,6 +35,8 @@ from standin_engine import KEY, LIVE, RECONNECT, ROWS, SLACK, TICK, held_rows, o
 server_key, standin, engines, policy, waiting = (standin_engine.server_key, standin_engine.standin,
                                                  standin_engine.engines, standin_engine.policy, standin_engine.waiting)
 
+pytestmark = pytest.mark.slow  # the tests wait out their bounds by design: about a minute together
+
 REFUSED = "refused the connection (shutting down, killed, or not started)"
 DROPPED = "closed the connection without an answer (killed, or restarting)"
 DEAD = "answered /health with 503 (its engine has ended)"

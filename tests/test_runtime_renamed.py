@@ -158,6 +158,7 @@ def _checkpoint(folder: Path, engine: dict) -> Path:
     return path
 
 
+@pytest.mark.slow  # a checkpoint written and a command run on it, per engine
 @pytest.mark.parametrize("old, new", ENGINES)
 @pytest.mark.usefixtures("no_model")
 def test_a_checkpoint_naming_an_old_engine_path_gets_one_line(tmp_path, capsys, tiny_model_dir, old, new):
@@ -176,6 +177,7 @@ def test_a_checkpoint_naming_an_old_engine_path_gets_one_line(tmp_path, capsys, 
         assert rc == 1 and "the model was loaded" in err, err
 
 
+@pytest.mark.slow  # an evaluation of the tiny model
 @pytest.mark.usefixtures("no_model")
 def test_a_checkpoint_naming_an_old_engine_path_evaluates_with_the_default_engine_after_one_line(tmp_path, capsys,
                                                                                                 tiny_model_dir):
