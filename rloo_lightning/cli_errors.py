@@ -19,13 +19,15 @@ from rloo_lightning.engines.vllm_http import ServerDown, ServerFailed
 from rloo_lightning.runtime import framework
 from rloo_lightning.runtime.atomic_checkpoint import NoSpaceError
 from rloo_lightning.runtime.renamed import renamed_hint, renamed_option
+from rloo_lightning.runtime.sigterm import StepFailed
 
 __all__ = ["error_line", "parser_message", "renamed_message", "set_where", "unknown_option_message"]
 
 # Exception types whose message says it all; other types are named on the error line (NonFiniteError: ...).
 _PLAIN_ERRORS = (ValueError, RuntimeError, OSError, FileNotFoundError, FileExistsError, ImportError,
                  ModuleNotFoundError, TypeError, NotImplementedError, MisconfigurationException, NoSpaceError,
-                 ServerFailed, ServerDown)  # the vLLM server engine's: each names the server and what happened
+                 ServerFailed, ServerDown,  # the vLLM server engine's: each names the server and what happened
+                 StepFailed)  # a failure every rank raises together: it names the failed ranks and their errors
 
 
 def _error_chain(exc: BaseException) -> list[BaseException]:

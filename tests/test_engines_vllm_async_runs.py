@@ -102,7 +102,10 @@ def test_a_child_that_dies_on_one_rank_ends_every_rank_with_one_line(tmp_path, h
     proc = start_cli(strategy, args, tmp_path, make_env(tmp_path / "cache")).wait()
     assert proc.rc not in (0, None) and not proc.timed_out, proc.explain()
     text = proc.stdout + proc.stderr
-    assert "error: the vLLM engine's process (pid" in text and "ended (exit code -9)" in text, proc.explain()
+    # every rank ends at the step's agreement point with the same line: the rank, its error, the step kept
+    assert "error: collecting the rollouts ahead on 1 of 2 ranks: rank 1: the vLLM engine's process (pid" in text, \
+        proc.explain()
+    assert "ended (exit code -9)" in text and "holds step 1: resume with --ckpt_path" in text, proc.explain()
     assert time.monotonic() - start < 280
 
 

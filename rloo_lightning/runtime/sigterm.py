@@ -215,9 +215,10 @@ def end_step(trainer, where: str, failure: BaseException | None = None, signals:
 
 
 def _one_line(error: BaseException) -> str:
-    """An error in one line: its message, after its class's name unless a plain built-in error says it all."""
+    """An error in one line: its message, after its class's name unless it is a runtime, value or OS error (the
+    package's own errors among them), whose message says what failed."""
     message = " ".join(str(error).split())
-    plain = type(error) in (RuntimeError, ValueError, OSError, TimeoutError, ConnectionError) and message
+    plain = isinstance(error, (RuntimeError, ValueError, OSError)) and message
     return message if plain else f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
