@@ -120,6 +120,19 @@ def test_serve_runs_vllm_with_its_variables_and_ends_with_its_memory_error_as_on
     assert capsys.readouterr().err == f"rloo-lightning serve: vLLM did not start: {_MEMORY_ERROR}\n"
 
 
+def test_after_vllm_ends_serve_ends_at_once_with_its_status(monkeypatch, tmp_path):
+    # serve's process holds torch, transformers and Lightning: a normal interpreter exit finalizes them (about a
+    # second idle, several under load), which a stop's grace does not allow for. end_process skips it.
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(serve, "write_model_folder", lambda *a: None)
+    monkeypatch.setattr(serve, "run_tree", lambda cmd, env, grace, filt: 128 + signal.SIGTERM)
+    ended = []
+    monkeypatch.setattr(serve.os, "_exit", ended.append)
+    serve.main(["--model", "some/policy", "--folder", str(tmp_path)])
+    assert ended == [128 + signal.SIGTERM]
+
+
 # -- the memory default of vLLM's CPU build --------------------------------------------------------------------
 GIB = 1 << 30
 
@@ -249,12 +262,12 @@ def _group(pgid: int) -> list[int]:
 
 
 def _start_serve_with_fake_vllm(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
-    """``serve``'s process tree around the stand-in (``run_tree``, as ``main`` runs it): serve's process, and the
+    """``serve``'s process tree around the stand-in (``run_tree`` and ``end_process``, as ``main`` runs them): serve's process, and the
     pids of the stand-in's three processes once they are up."""
     script = tmp_path / "fake_vllm.py"
     script.write_text(FAKE_VLLM)
-    runner = ("import sys; from rloo_lightning.serve import run_tree; "
-              f"sys.exit(run_tree([sys.executable, {str(script)!r}, {str(tmp_path)!r}, '0'], None, {GRACE}))")
+    runner = ("import sys; from rloo_lightning.serve import end_process, run_tree; "
+              f"end_process(run_tree([sys.executable, {str(script)!r}, {str(tmp_path)!r}, '0'], None, {GRACE}))")
     proc = subprocess.Popen([sys.executable, "-c", runner], stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
     deadline = time.monotonic() + 60
