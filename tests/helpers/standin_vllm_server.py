@@ -405,8 +405,8 @@ class StandinVLLM:
             status, payload = self._answer(handler, method, path, params, body, kind, flight)
             if flight.fate in ("drop", "silent"):  # decided while it worked (a restart, a drain)
                 raise _Drop() if flight.fate == "drop" else _Silent()
+            self._finish(entry, str(status))  # before the answer: a client that has it finds it in the log
             handler.reply(status, payload)
-            self._finish(entry, str(status))
         except _Drop:
             handler.drop()
             self._finish(entry, "client-gone" if entry.get("gone") else "dropped")
