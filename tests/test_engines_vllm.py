@@ -7,6 +7,7 @@ vLLM (refusals without it, the correction default) run everywhere. Fits through 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import re
 
@@ -240,27 +241,86 @@ def test_the_engine_leaves_the_trainers_rng_and_threads_as_they_were(tiny):
     assert torch.get_num_threads() == 1
 
 
-@vllm_test
-def test_a_lora_policy_pushes_base_plus_adapter_merged_and_is_left_as_it_was(tiny):
+def _lora_policy(tok, seed: int = 1, **options):
     peft = pytest.importorskip("peft")
-    model, tok = tiny
-    lora = peft.get_peft_model(build_tiny_llama(tok, hidden_size=128, num_heads=4, seed=1),
-                               peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    options = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], **options}
+    lora = peft.get_peft_model(build_tiny_llama(tok, hidden_size=128, num_heads=4, seed=1), peft.LoraConfig(**options))
+    _move_adapter(lora, seed)
+    return lora
+
+
+def _move_adapter(lora, seed: int) -> None:
+    """A training step's stand-in: new lora_B (and lora_A) values."""
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in lora.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.2)
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+
+
+@vllm_test
+@pytest.mark.parametrize("lora_sync", ["adapter", "merged"])
+def test_a_lora_policy_samples_with_its_adapter_and_is_left_as_it_was(tiny, lora_sync):
+    model, tok = tiny
+    lora = _lora_policy(tok)
     before = {k: v.clone() for k, v in lora.state_dict().items()}
-    eng = VLLMEngine()
+    eng = VLLMEngine(lora_sync=lora_sync)
     eng.prepare(lora, tok, _config())
     ids, mask = _prompts(tok, TEXTS[:4], k=2)
     out, logp = eng.generate(lora, tok, ids, mask, _config(), seed=2)
+    synced = eng.metrics()["train/weight_sync_mb"]
     eng.close()
     assert all(torch.equal(before[k], v) for k, v in lora.state_dict().items())
     valid = _sampled_mask(out)
     assert (_forward_logprobs(lora.eval(), ids, mask, out) - logp)[valid].abs().max() < 1e-3
     with lora.disable_adapter():  # and the adapter mattered: the base alone is far from what was sampled
         assert (_forward_logprobs(lora, ids, mask, out) - logp)[valid].abs().max() > 1e-2
+    # every weight of the checkpoint (a tied lm_head.weight included: vLLM's reload needs it), less the adapter's
+    full = sum(t.numel() * 4 for n, t in lora.get_base_model().state_dict().items() if "lora_" not in n) / 2**20
+    adapter = sum(p.numel() * 4 for n, p in lora.named_parameters() if "lora_" in n) / 2**20
+    # the first push: the weights merged, or the base and then the adapter (what each moved, no more)
+    assert synced == pytest.approx(full if lora_sync == "merged" else full + adapter, rel=1e-6)
+
+
+@vllm_test
+def test_each_adapter_push_moves_the_adapter_alone_and_the_next_rollout_samples_with_it(tiny):
+    model, tok = tiny
+    lora = _lora_policy(tok)
+    eng = VLLMEngine()
+    eng.prepare(lora, tok, _config())
+    ids, mask = _prompts(tok, TEXTS[:4], k=2)
+    first = eng.generate(lora, tok, ids, mask, _config(), seed=2)
+    eng.metrics()
+    for version in (2, 3):
+        _move_adapter(lora, seed=version)
+        eng.on_weights_updated(lora)
+        out, logp = eng.generate(lora, tok, ids, mask, _config(), seed=2)
+        valid = _sampled_mask(out)
+        assert (_forward_logprobs(lora.eval(), ids, mask, out) - logp)[valid].abs().max() < 1e-3
+        adapter = sum(p.numel() * 4 for n, p in lora.named_parameters() if "lora_" in n) / 2**20
+        assert eng.metrics()["train/weight_sync_mb"] == pytest.approx(adapter, rel=1e-6)
+        folders = sorted(f for f in os.listdir(eng._config_dir.name) if f.startswith("adapter-"))
+        assert folders == [f"adapter-{version:06d}"]  # the older versions' folders removed
+    assert not torch.equal(out, first[0])  # the same seed, another adapter: other samples
+    eng.close()
+
+
+@vllm_test
+def test_an_adapter_that_did_not_load_as_trained_is_caught_by_the_canary(tiny, monkeypatch):
+    import rloo_lightning.engines.vllm as engine_module
+
+    model, tok = tiny
+    lora = _lora_policy(tok)
+    real = engine_module.adapter_tensors
+    # the file holds another adapter than the policy's (a stale or wrong version): lora_B halved
+    monkeypatch.setattr(engine_module, "adapter_tensors",
+                        lambda m: {k: v * 0.5 if "lora_B" in k else v for k, v in real(m).items()})
+    eng = VLLMEngine()
+    eng.prepare(lora, tok, _config())
+    ids, mask = _prompts(tok, TEXTS[:2], k=1)
+    with pytest.raises(RuntimeError, match=r"adapter push of version 1.*canary.*did not load as trained"):
+        eng.generate(lora, tok, ids, mask, _config(), seed=2)
+    eng.close()
 
 
 @vllm_test

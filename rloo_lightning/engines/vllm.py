@@ -13,7 +13,11 @@ and predict (after a ``--ckpt_path`` restore), and again before the first genera
 (never between a step's log-prob forward and its update). A push copies the weights into shared-memory buffers
 that the child holds (made once), the child loads them (``reload_weights``) and resets its prefix cache: a cached
 prompt block of the old weights is never reused. FSDP2 / FSDP shards are gathered (every rank pushes the whole
-model to its own engine); a LoRA policy pushes base + adapter merged, computed without touching the policy.
+model to its own engine). A LoRA policy (``lora_sync: adapter``, the default) pushes its base once and, at each
+push, only its adapter: written in PEFT's format to a folder of its own, loaded by the child under a new name and id
+(``engines/vllm_lora.py``), each generate request naming the adapter it samples with, and verified by a canary (the
+child's log-probs of a fixed sequence under the new adapter against the policy's forward); ``lora_sync: merged``
+pushes base + adapter merged at every push, computed without touching the policy.
 
 Sampling: token ids in, token ids and log-probs out (``logprobs_mode=processed_logprobs``: the distribution after
 temperature and top-k / top-p, the one it sampled from), so ``train/mismatch/*`` is logged and the importance
@@ -40,6 +44,8 @@ that long.
 
 from __future__ import annotations
 
+import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -53,7 +59,10 @@ from rloo_lightning.engines.kv_cache import base_model
 from rloo_lightning.engines.vllm_common import (
     architectures, dtype_name, named_weights, pad_id, padded_samples, refuse_repetition_penalty, row_seeds,
     sampling_params, unpadded_prompts, unquantized_config)
+from rloo_lightning.engines.vllm_lora import (
+    adapter_tensors, check_adapter_sync, is_lora_policy, lora_rank, write_adapter_folder)
 from rloo_lightning.engines.vllm_process import ChildProcess, said_once, vllm_log_level
+from rloo_lightning.engines.vllm_sync import canary_ids, canary_logprobs
 
 __all__ = ["VLLMEngine", "ChildRequest", "CPU_HEAD_SIZES", "silenced_line", "vllm_available"]
 
@@ -122,6 +131,12 @@ class VLLMEngine(GenerationEngine):
             ``torch.get_num_threads()`` when the child starts. With ``rollout.lag >= 1`` the engine
             generates while the trainer trains, so on a CPU the two share the cores: give each its part (e.g. 1
             and 1 on 2 cores; ``python -m benchmarks async_step`` measures the splits).
+        lora_sync: how a LoRA policy (``policy.lora``) reaches the engine. ``adapter`` (the default): the base once,
+            then the adapter's tensors alone at each push, verified by a canary (``canary_tolerance``); refused in
+            one line at setup for what vLLM cannot serve (DoRA, ``modules_to_save``, trained biases). ``merged``:
+            base + adapter merged into full weights at every push. Other policies ignore it.
+        canary_tolerance: the largest difference allowed between the child's and the policy's log-probs of the
+            canary sequence after an adapter push (fp32: 1e-3 holds with margin; a reduced ``dtype`` needs more).
 
     Sampling comes from the module's own options (``sampling.temperature``, ``top_k``, ``top_p``,
     ``max_new_tokens``, the EOS ids, the per-step seeds). Refused at setup: ``sampling.repetition_penalty``
@@ -149,7 +164,8 @@ class VLLMEngine(GenerationEngine):
                  max_model_len: int | None = None, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
                  enforce_eager: bool = True, startup_timeout: float = 600.0,
                  sampler_temperature: float | None = None, stall_timeout: float = 600.0,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, lora_sync: Literal["adapter", "merged"] = "adapter",
+                 canary_tolerance: float = 1e-3) -> None:
         if dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"VLLMEngine dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
         if kv_cache_bytes is not None and kv_cache_bytes <= 0:
@@ -166,6 +182,11 @@ class VLLMEngine(GenerationEngine):
             raise ValueError(f"VLLMEngine stall_timeout must be > 0, got {stall_timeout}")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"VLLMEngine threads must be an integer >= 1 (or None: the trainer's), got {threads!r}")
+        if lora_sync not in ("adapter", "merged"):
+            raise ValueError(f"VLLMEngine lora_sync must be adapter or merged, got {lora_sync!r}")
+        if not canary_tolerance > 0:
+            raise ValueError(f"VLLMEngine canary_tolerance must be > 0, got {canary_tolerance}")
+        self.lora_sync, self.canary_tolerance = lora_sync, canary_tolerance
         self.stall_timeout = stall_timeout
         self.threads = threads
         self.sampler_temperature = sampler_temperature
@@ -179,6 +200,9 @@ class VLLMEngine(GenerationEngine):
         self._device: torch.device | None = None
         self._worker: ChildProcess | None = None
         self._buffers: dict[str, Tensor] | None = None
+        self._adapters = False  # this policy's adapter is pushed alone (lora_sync: adapter, a LoRA policy)
+        self._adapter_version = 0  # the adapter the child holds (0: none yet)
+        self._sums = {"sync_s": 0.0, "sync_mb": 0.0}
 
     # -- checks, before any compute ------------------------------------------------------------
     def check(self, device: torch.device) -> None:
@@ -204,6 +228,8 @@ class VLLMEngine(GenerationEngine):
             raise ValueError(f"VLLMEngine on a CPU: the policy's head size {head} is not one vLLM's CPU attention "
                              f"supports {list(CPU_HEAD_SIZES)}; use the default engine on this model")
         refuse_repetition_penalty(generation_config, "VLLMEngine")
+        if self.lora_sync == "adapter" and is_lora_policy(model):
+            check_adapter_sync(model, "VLLMEngine")
         if self._worker is None:
             self._start(model)
         self.on_weights_updated(model)
@@ -227,6 +253,9 @@ class VLLMEngine(GenerationEngine):
                           max_model_len=self.max_model_len or getattr(config, "max_position_embeddings", None),
                           gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
                           enable_sleep_mode=self.sleep_level > 0)
+        self._adapters = self.lora_sync == "adapter" and is_lora_policy(model)
+        if self._adapters:  # the child loads a new adapter before it removes the one before: two at most
+            llm_kwargs.update(enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=lora_rank(model))
         threads = self.threads if self.threads is not None else torch.get_num_threads()
         self._worker = ChildProcess(device, threads, self.startup_timeout, self.stall_timeout)
         said_once(self._worker.call("build", llm_kwargs, architectures(model)))
@@ -239,30 +268,70 @@ class VLLMEngine(GenerationEngine):
         is killed at once rather than left to finish them."""
         if self._worker is not None:
             self._worker.close()
-        self._worker, self._buffers, self.stale = None, None, True
+        self._worker, self._buffers, self.stale, self._adapter_version = None, None, True, 0
 
     def push(self, model) -> float:
-        """Copy the policy's current weights into the engine; returns the seconds it took.
-
-        Waits first for the answer of every pending request (kept for :meth:`collect`): the buffers are written only
-        when the child cannot be about to read them, and a request sent before this push samples from the weights of
-        the push before it (see the module docstring)."""
+        """Bring the engine to the policy's current weights; returns the seconds it took: the weights (or, for a
+        LoRA policy under ``lora_sync: adapter``, the base once and then the adapter alone)."""
         start = time.perf_counter()
         if self._worker is None:
             self._start(model)
+        if not self._adapters:
+            self._push_weights(model, merged=True)
+        else:
+            if self._buffers is None:  # the base, once per child: it never changes (peft freezes it)
+                self._push_weights(model, merged=False)
+            self._push_adapter(model)
+        self.stale = False
+        self.pushes += 1
+        self.push_seconds.append(time.perf_counter() - start)
+        self._sums["sync_s"] += self.push_seconds[-1]
+        return self.push_seconds[-1]
+
+    def _push_weights(self, model, merged: bool) -> None:
+        """Copy the weights into the shared buffers and have the child load them. Waits first for the answer of
+        every pending request (kept for :meth:`collect`): the buffers are written only when the child cannot be
+        about to read them, and a request sent before this push samples from the weights of the push before it (see
+        the module docstring)."""
         self._worker.drain()
         with torch.no_grad():
-            weights = dict(named_weights(model))
+            weights = dict(named_weights(model, merged=merged))
             first = self._buffers is None
             if first:  # shared memory, made once: later pushes copy into it and send nothing but a message
                 self._buffers = {name: torch.empty_like(t, device="cpu").share_memory_() for name, t in weights.items()}
             for name, t in weights.items():
                 self._buffers[name].copy_(t)
         self._worker.call("push", list(self._buffers.items()) if first else None)
-        self.stale = False
-        self.pushes += 1
-        self.push_seconds.append(time.perf_counter() - start)
-        return self.push_seconds[-1]
+        self._sums["sync_mb"] += sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
+
+    def _push_adapter(self, model) -> None:
+        """Write the adapter into a new folder and have the child load it as a new version; no wait for pending
+        requests (each names its own version, and the child answers in order). The canary: the child's log-probs
+        under the new adapter must equal the policy's within ``canary_tolerance``."""
+        with torch.no_grad():
+            tensors = adapter_tensors(model)
+        version = self._adapter_version + 1
+        folder = os.path.join(self._config_dir.name, f"adapter-{version:06d}")
+        self._sums["sync_mb"] += write_adapter_folder(folder, model, tensors) / 2**20
+        ids = canary_ids(base_model(model).config.vocab_size, 32)
+        expected = canary_logprobs(model, ids)
+        got = self._worker.call("adapter", folder, version, ids)
+        gap = max(abs(a - b) for a, b in zip(got, expected))
+        if not gap <= self.canary_tolerance:
+            raise RuntimeError(f"VLLMEngine: after the adapter push of version {version}, the engine's log-probs of "
+                               f"the canary differ from the policy's by {gap:.3g} (> canary_tolerance="
+                               f"{self.canary_tolerance:g}): the adapter did not load as trained")
+        for old in os.listdir(self._config_dir.name):  # the child holds this version alone now
+            if old.startswith("adapter-") and old != os.path.basename(folder):
+                shutil.rmtree(os.path.join(self._config_dir.name, old), ignore_errors=True)
+        self._adapter_version = version
+
+    def metrics(self) -> dict[str, float]:
+        """Since the last call: ``train/weight_sync_s`` (the pushes' wall time) and ``train/weight_sync_mb`` (what
+        they moved: the weights, or a LoRA policy's adapter)."""
+        values = {"train/weight_sync_s": self._sums["sync_s"], "train/weight_sync_mb": self._sums["sync_mb"]}
+        self._sums = dict.fromkeys(self._sums, 0.0)
+        return values
 
     def submit(self, model, tokenizer, prompt_ids, prompt_mask, generation_config, seed) -> Submitted:
         """Send the generate request of :meth:`generate` (after a push if the weights are stale) and return at once;
@@ -296,7 +365,8 @@ class VLLMEngine(GenerationEngine):
         if self.sampler_temperature is not None and params["temperature"] > 0:
             params["temperature"] = self.sampler_temperature
         seeds = row_seeds(seed, len(prompts))
-        rid = self._worker.send("generate", prompts, params, seeds, self.sleep_level, stoppable=stoppable)
+        rid = self._worker.send("generate", prompts, params, seeds, self.sleep_level,
+                                self._adapter_version if self._adapters else None, stoppable=stoppable)
         return Submitted(key=ChildRequest(rid, pad_id(generation_config), prompt_ids.device, stoppable))
 
     def stats(self) -> dict:
@@ -305,5 +375,5 @@ class VLLMEngine(GenerationEngine):
 
     def __getstate__(self) -> dict:  # a deep copy or pickle of the module carries the options, not the child
         state = dict(self.__dict__)
-        state.update(_worker=None, _buffers=None, stale=True, _config_dir=None)
+        state.update(_worker=None, _buffers=None, stale=True, _config_dir=None, _adapter_version=0)
         return state

@@ -151,6 +151,7 @@ def serve_requests(conn, stop_event, heartbeat_s: float = 2.0) -> None:
     requests: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_read, args=(conn, requests), daemon=True, name="rloo-vllm-requests").start()
     llm, buffers = None, None
+    loras: dict = {}  # version -> LoRARequest: the adapters loaded (lora_sync: adapter)
     while True:
         message = requests.get()
         if message is None or message[0] == "close":
@@ -176,8 +177,11 @@ def serve_requests(conn, stop_event, heartbeat_s: float = 2.0) -> None:
             elif verb == "push":
                 if args[0] is not None:
                     buffers = args[0]
-                _wake(llm, None)
-                _load(llm, buffers)
+                _wake(llm, None, loras)
+                _load(llm, buffers, loras)
+            elif verb == "adapter":  # (folder, version, canary ids or None): a new adapter, the older ones removed
+                _wake(llm, buffers, loras)
+                value = _add_adapter(llm, loras, *args)
             elif verb == "stats":
                 import resource
 
@@ -185,8 +189,9 @@ def serve_requests(conn, stop_event, heartbeat_s: float = 2.0) -> None:
             elif verb == "generate":
                 # Asleep after an earlier request (sleep_level): a generate sent with no push between (a
                 # validation batch, or one queued behind a submitted request) wakes the engine itself.
-                _wake(llm, buffers)
-                value = _generate(llm, *args[:3], stop_event if stoppable else None, beat)
+                _wake(llm, buffers, loras)
+                lora = loras[args[4]] if args[4] is not None else None
+                value = _generate(llm, *args[:3], stop_event if stoppable else None, beat, lora)
                 if args[3] and requests.empty():  # another request waiting would only wake it again
                     llm.sleep(level=args[3])
                     llm._rloo_asleep = args[3]
@@ -202,13 +207,16 @@ def serve_requests(conn, stop_event, heartbeat_s: float = 2.0) -> None:
             return
 
 
-def _load(llm, buffers) -> None:
-    """Load the weights in the shared buffers and forget every cached prompt block (they hold the old weights')."""
+def _load(llm, buffers, loras: dict) -> None:
+    """Load the weights in the shared buffers and forget every cached prompt block (they hold the old weights'). A
+    reload drops every LoRA adapter (vLLM 0.32): those of ``loras`` are loaded again (from their folders)."""
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(buffers)})
     llm.reset_prefix_cache()
+    for request in loras.values():
+        llm.llm_engine.add_lora(request)
 
 
-def _wake(llm, buffers) -> None:
+def _wake(llm, buffers, loras: dict) -> None:
     """Wake an engine put to sleep after a generate. At level 2 its weights were dropped: ``buffers`` (the last
     push, which every request since was sent to sample with: the trainer writes them only when no request is
     pending) are loaded again; None: the caller loads them itself."""
@@ -218,18 +226,47 @@ def _wake(llm, buffers) -> None:
     llm.wake_up()
     llm._rloo_asleep = 0
     if level == 2 and buffers is not None:
-        _load(llm, buffers)
+        _load(llm, buffers, loras)
 
 
-def _generate(llm, prompts: list[list[int]], params: dict, seeds: list[int], stop_event, beat=None) -> list:
-    """``[(token ids, log-probs)]`` per prompt, stepping the engine so that ``stop_event`` (None: no stop) can end
-    every row at once, and ``beat`` (the heartbeat) is called between steps."""
+def _add_adapter(llm, loras: dict, folder: str, version: int, canary: list[int] | None) -> list[float] | None:
+    """Load adapter ``version`` from ``folder`` (a new name and id: vLLM caches by id), remove the older ones (the
+    child answers in order: no request still needs them), and return the canary's log-probs under it (``canary``:
+    token ids; None: no canary)."""
+    from vllm.lora.request import LoRARequest
+
+    from rloo_lightning.engines.vllm_lora import adapter_name
+
+    request = LoRARequest(adapter_name(version), version, folder)
+    if not llm.llm_engine.add_lora(request):
+        raise RuntimeError(f"vLLM did not load the adapter in {folder}")
+    for old in [v for v in loras if v != version]:
+        llm.llm_engine.remove_lora(old)
+        del loras[old]
+    loras[version] = request
+    return None if canary is None else _prompt_logprobs(llm, canary, request)
+
+
+def _prompt_logprobs(llm, ids: list[int], lora) -> list[float]:
+    """vLLM's log-probs of ``ids[1:]`` given the tokens before each (temperature 1: the policy's distribution)."""
+    from vllm import SamplingParams
+
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0),
+                       lora_request=lora, use_tqdm=False)[0]
+    return [float(step[tok].logprob) for tok, step in zip(ids[1:], out.prompt_logprobs[1:])]
+
+
+def _generate(llm, prompts: list[list[int]], params: dict, seeds: list[int], stop_event, beat=None,
+              lora=None) -> list:
+    """``[(token ids, log-probs)]`` per prompt (sampled with the adapter ``lora``, None: the weights alone), stepping
+    the engine so that ``stop_event`` (None: no stop) can end every row at once, and ``beat`` (the heartbeat) is
+    called between steps."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
     ids = [f"r{i}" for i in range(len(prompts))]
     for rid, prompt, seed in zip(ids, prompts, seeds):
-        engine.add_request(rid, {"prompt_token_ids": prompt}, SamplingParams(**params, seed=seed))
+        engine.add_request(rid, {"prompt_token_ids": prompt}, SamplingParams(**params, seed=seed), lora_request=lora)
     latest: dict[str, object] = {}
     while engine.has_unfinished_requests():
         if stop_event is not None and stop_event.is_set():

@@ -124,12 +124,12 @@ def padded_samples(samples: list, pad: int, device: torch.device) -> tuple[Tenso
 
 
 # -- the weights ---------------------------------------------------------------------------------
-def named_weights(model) -> Iterator[tuple[str, Tensor]]:
+def named_weights(model, merged: bool = True) -> Iterator[tuple[str, Tensor]]:
     """The policy's weights under the names of its Hugging Face checkpoint, whole (an FSDP2 / FSDP shard is
     gathered: a collective, so every rank calls this at the same point) and, under LoRA, with each adapter's delta
-    merged in (computed, the policy is left as it is)."""
+    merged in (computed, the policy is left as it is) unless ``merged`` is False (the base alone)."""
     base = base_model(model)
-    deltas = lora_deltas(model)
+    deltas = lora_deltas(model) if merged else {}
     for name, tensor in base.state_dict().items():
         if ".lora_" in name or "lora_embedding" in name:
             continue
