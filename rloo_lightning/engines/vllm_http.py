@@ -62,7 +62,7 @@ class ServerRefused(RuntimeError):
 
     def __init__(self, status: int, text: str) -> None:
         super().__init__(f"HTTP {status}: {_said(text)}")
-        self.status = status
+        self.status, self.text = status, text
 
 
 class ServerFailed(RuntimeError):
@@ -116,6 +116,7 @@ class ServerClient:
         self.lock = threading.Lock()  # one check-and-load at a time (the rows of a batch share the server)
         self.model: str | None = None  # the served model's name and context, read at connect
         self.max_model_len = 0
+        self.adapters: list[str] = []  # the adapter names this client loaded into the server (lora_sync: adapter)
         self.progress_signal: bool | None = None  # whether /metrics serves PROGRESS (None: not read yet)
         self._calls: set[_Call] = set()
         self._cond = threading.Condition()
@@ -174,7 +175,10 @@ class ServerClient:
                              f"{_said(raw[:400].decode(errors='replace'))}", answering=True)
         if status >= 400:
             raise ServerRefused(status, raw[:400].decode(errors="replace"))
-        return json.loads(raw) if raw else None
+        try:
+            return json.loads(raw) if raw else None
+        except ValueError:  # a plain text answer (vLLM's adapter loads)
+            return raw.decode(errors="replace")
 
     def rpc(self, method: str, *args: str, timeout: float | None = None, watch: str = "progress",
             refused_5xx: bool = False):
@@ -330,7 +334,8 @@ class ServerClient:
                 self._cond.wait(max(0.05, next_look - (time.monotonic() - now)))
 
     # -- the checks at connect -------------------------------------------------------------------------------
-    def connect(self, model, dtype: str, canary_tolerance: float, seconds: float, stop, say: bool) -> None:
+    def connect(self, model, dtype: str, canary_tolerance: float, seconds: float, stop, say: bool,
+                lora_rank: int | None = None) -> None:
         """Wait up to ``seconds`` for the server (``say``: a line naming what it waits for, at once and every 30 s),
         then :meth:`check_serves`; one line naming the address and what was seen if it does not answer."""
         def waiting(so_far: float) -> None:
@@ -340,17 +345,17 @@ class ServerClient:
 
         try:
             self.wait_up(seconds, stop=stop, say=waiting)
-            self.check_serves(model, dtype, canary_tolerance)
+            self.check_serves(model, dtype, canary_tolerance, lora_rank)
         except ServerDown as err:
             raise ServerFailed(f"VLLMServerEngine: no vLLM server answered at {self.url} within connect_timeout="
                                f"{seconds:g} s (it {err.what}); start one with `rloo-lightning serve --model <policy> "
                                "--port <port>` (docs/vllm_server.md)") from None
 
-    def check_serves(self, model, dtype: str, canary_tolerance: float) -> None:
+    def check_serves(self, model, dtype: str, canary_tolerance: float, lora_rank: int | None = None) -> None:
         """Check that this server serves ``model`` (architecture, vocabulary, hidden size and layers, processed
-        log-probs, a vLLM recent enough, and ``dtype`` unless the engine's ``canary_tolerance`` allows another): one
-        ValueError saying every difference; then read the served model's name and context, and resume a server left
-        paused."""
+        log-probs, a vLLM recent enough, ``dtype`` unless the engine's ``canary_tolerance`` allows another, and LoRA
+        adapters of rank ``lora_rank`` when given): one ValueError saying every difference; then read the served
+        model's name and context, and resume a server left paused."""
         try:
             info = json.loads(self.rpc("rloo_describe", timeout=self.timeout, refused_5xx=True))
         except ServerRefused as err:
@@ -372,6 +377,10 @@ class ServerClient:
             differ.append(f"dtype: server {info.get('dtype')}, policy {dtype} (canary_tolerance="
                           f"{canary_tolerance:g} is for a server in the policy's dtype: start it with --dtype "
                           f"{dtype}, or raise canary_tolerance)")
+        if lora_rank is not None and not (info.get("max_lora_rank") or 0) >= lora_rank:
+            differ.append(f"LoRA adapters: server max_lora_rank {info.get('max_lora_rank')}, the policy's adapter "
+                          f"needs {lora_rank} (start it with `rloo-lightning serve ... --lora-rank {lora_rank}`, or "
+                          f"set the engine's lora_sync: merged)")
         if differ:
             raise ValueError(f"VLLMServerEngine: the server at {self.url} does not serve this policy: "
                              + "; ".join(differ))

@@ -2,7 +2,8 @@
 optimizer step and verified.
 
 The trainer's side only: requests go over HTTP with the standard library, and this module never imports vLLM (a
-trainer node need not have it). Its HTTP client is ``vllm_http.py``, the parts of the sync that need no server
+trainer node need not have it). Its HTTP client is ``vllm_http.py``, its sync ``vllm_server_sync.py`` (a LoRA
+policy's adapter alone: the base once per server boot, see there), the parts of the sync that need no server
 ``vllm_sync.py``, what it shares with the colocated engine ``vllm_common.py``. The server's side (the worker extension
 that loads a synced folder, the guard that puts every path behind the key) is ``vllm_server_side.py``;
 ``rloo-lightning serve`` starts a server with both.
@@ -32,29 +33,26 @@ was seen. Every wait in the trainer's thread honours a stop signal (:func:`rloo_
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures as cf
 import os
 import shutil
-import tempfile
 import threading
 import time
 import urllib.parse
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from rloo_lightning.engines.base import GenerationEngine, Submitted
-from rloo_lightning.engines.kv_cache import base_model
 from rloo_lightning.engines.vllm_common import (
     API_KEY_ENV, completion_fields, dtype_name, pad_id, padded_samples, prompt_group_index, refuse_repetition_penalty,
     row_seeds, unpadded_prompts)
-from rloo_lightning.engines.vllm_http import (
-    ServerClient, ServerDown, ServerFailed, ServerRefused, attempts, one_line, stopper)
-from rloo_lightning.engines.vllm_sync import (
-    Canary, Published, agreed, canary_ids, canary_logprobs, memory_folder, remove_older_syncs, weights_to_write, world,
-    write_sync_folder)
+from rloo_lightning.engines.vllm_http import ServerClient, ServerDown, ServerFailed, ServerRefused, attempts, stopper
+from rloo_lightning.engines.vllm_lora import check_adapter_sync, is_lora_policy, lora_rank
+from rloo_lightning.engines.vllm_server_sync import ServerWeightSync
+from rloo_lightning.engines.vllm_sync import Canary, Published, world
 from rloo_lightning.runtime import sigterm
 
 __all__ = ["ServerBatch", "VLLMServerEngine"]
@@ -73,7 +71,7 @@ class ServerBatch:
     cancelled: threading.Event  # set: rows not sent yet are not sent (the batch was aborted)
 
 
-class VLLMServerEngine(GenerationEngine):
+class VLLMServerEngine(ServerWeightSync, GenerationEngine):
     """Samples from one or more vLLM servers; syncs the policy's weights into them after every optimizer step and
     verifies each sync.
 
@@ -110,6 +108,11 @@ class VLLMServerEngine(GenerationEngine):
             a sync that left the old weights is then caught only when they are that far apart).
         canary_tokens: the length of the canary sequence (capped by the server's context).
         max_concurrency: requests in flight at once, per rank.
+        lora_sync: how a LoRA policy (``policy.lora``) reaches the servers. ``adapter`` (the default): the base once
+            per server boot, then the adapter's tensors alone at each sync, loaded under a new name (the server must
+            serve adapters of its rank: ``rloo-lightning serve --lora-rank R``, checked at connect); what vLLM cannot
+            serve (DoRA, ``modules_to_save``, trained biases) is refused at setup. ``merged``: base + adapter merged
+            into full weights at every sync. Other policies ignore it.
 
     Default correction: as :class:`~rloo_lightning.engines.vllm.VLLMEngine`, token-level truncated importance weights
     (cap 2) with ``correction.level: auto``: the server's kernels (and its dtype) are not pi_theta's.
@@ -122,7 +125,8 @@ class VLLMServerEngine(GenerationEngine):
     def __init__(self, urls: list[str] | None = None, api_key_env: str = API_KEY_ENV, sync_dir: str | None = None,
                  request_timeout: float = 600.0, connect_timeout: float = 600.0, reconnect_timeout: float = 120.0,
                  retries: int = 2, canary_tolerance: float = 1e-3, canary_tokens: int = 32,
-                 max_concurrency: int = 64, liveness_timeout: float = 25.0, liveness_interval: float = 5.0) -> None:
+                 max_concurrency: int = 64, liveness_timeout: float = 25.0, liveness_interval: float = 5.0,
+                 lora_sync: Literal["adapter", "merged"] = "adapter") -> None:
         urls = ["http://127.0.0.1:8000"] if urls is None else ([urls] if isinstance(urls, str) else list(urls))
         if not urls:
             raise ValueError("VLLMServerEngine urls must name at least one server (http://host:port)")
@@ -142,6 +146,9 @@ class VLLMServerEngine(GenerationEngine):
         if liveness_interval > liveness_timeout:
             raise ValueError(f"VLLMServerEngine liveness_interval ({liveness_interval:g}) must be at most "
                              f"liveness_timeout ({liveness_timeout:g})")
+        if lora_sync not in ("adapter", "merged"):
+            raise ValueError(f"VLLMServerEngine lora_sync must be adapter or merged, got {lora_sync!r}")
+        self.lora_sync = lora_sync
         if not isinstance(api_key_env, str) or not api_key_env:
             raise ValueError(f"VLLMServerEngine api_key_env must name an environment variable, got {api_key_env!r}")
         self.urls, self.api_key_env, self.sync_dir = [str(u).rstrip("/") for u in urls], api_key_env, sync_dir
@@ -162,6 +169,8 @@ class VLLMServerEngine(GenerationEngine):
         self._run = uuid.uuid4().hex[:8]
         self._current: Published | None = None  # the last sync (every rank knows it after a sync)
         self._canary: Canary | None = None
+        self._adapters = False  # the policy's adapter is synced alone (lora_sync: adapter, a LoRA policy)
+        self._base: Published | None = None  # its base, written at the run's first sync
         self._made_dir: str | None = None
         self._sums = {"sync_s": 0.0, "sync_mb": 0.0, "load_s": 0.0, "sync_wait_s": 0.0, "retries": 0.0}
 
@@ -171,6 +180,9 @@ class VLLMServerEngine(GenerationEngine):
         this policy: the same architecture, vocabulary, hidden size and layers, processed log-probs, a dtype the
         tolerance allows, and a vLLM recent enough. Every difference is said, with the server's address."""
         refuse_repetition_penalty(generation_config, "VLLMServerEngine")
+        self._adapters = self.lora_sync == "adapter" and is_lora_policy(model)
+        if self._adapters:
+            check_adapter_sync(model, "VLLMServerEngine")
         key = os.environ.get(self.api_key_env, "")
         if not key:
             raise ValueError(f"VLLMServerEngine: set {self.api_key_env} to the key the server was started with "
@@ -184,7 +196,8 @@ class VLLMServerEngine(GenerationEngine):
         dtype = dtype_name(next(model.parameters()).dtype)
         for server in self._servers:
             server.connect(model, dtype, self.canary_tolerance, self.connect_timeout,
-                           stop=lambda: sigterm.check("waiting for a vLLM server"), say=sigterm.rank_zero())
+                           stop=lambda: sigterm.check("waiting for a vLLM server"), say=sigterm.rank_zero(),
+                           lora_rank=lora_rank(model) if self._adapters else None)
         self.stale = True
 
     def on_weights_updated(self, model) -> None:
@@ -228,111 +241,6 @@ class VLLMServerEngine(GenerationEngine):
         for server in self._servers or []:
             server.end_calls("stopped waiting (a stop signal)")
 
-    # -- the sync ----------------------------------------------------------------------------------
-    def _sync(self, model) -> bool:
-        """Publish the policy's weights to every server and verify them (see the module docstring); every rank
-        calls this at the same point, and every rank ends it the same way: synced (True), stopped by a signal (False),
-        or one ServerFailed line, also when the failure was one rank's (its rows before the sync)."""
-        start = time.perf_counter()
-        world_size, rank = world()
-        mine: Published | str | None = ""
-        try:
-            if not self._drain():
-                mine = None
-        except Exception as err:  # noqa: BLE001 - held: every rank learns it below, none waits in a collective
-            mine = one_line(err)
-        with torch.no_grad():
-            weights = weights_to_write(model, rank)  # a gather under FSDP2: every rank walks every weight
-            ids = self._canary_ids(model)
-            canary = Canary(ids, canary_logprobs(model, ids))  # a forward: every rank
-        if rank == 0 and mine == "":
-            try:
-                mine = self._publish(weights, canary)
-            except Exception as err:  # noqa: BLE001 - every rank learns it below, and all stop with this line
-                mine = one_line(err)
-        outcome = agreed(mine, world_size)
-        if isinstance(outcome, str):
-            raise ServerFailed(outcome)
-        if outcome is None:
-            return False
-        self._current, self._canary, self.sync_count = outcome, canary, outcome.sync_id
-        self.stale = False
-        self._sums["sync_s"] += outcome.seconds
-        self._sums["sync_mb"] += outcome.bytes / 2**20
-        self._sums["load_s"] += outcome.load_s
-        self._sums["sync_wait_s"] += time.perf_counter() - start
-        return True
-
-    def _publish(self, weights: dict, canary: Canary) -> Published | None:
-        """Rank 0: write the folder, load it into every server, verify; the outcome every rank takes (None: a stop
-        signal ended it)."""
-        start = time.perf_counter()
-        size = sum(t.numel() * t.element_size() for t in weights.values())
-        root = self.sync_dir or self._made_dir
-        if root is None:  # a folder of this process's: removed with it (the servers keep what they loaded)
-            root = self._made_dir = tempfile.mkdtemp(prefix="rloo_sync_", dir=memory_folder(size))
-            atexit.register(shutil.rmtree, root, True)
-        sync_id = self.sync_count + 1
-        tag = f"{self._run}:{sync_id}"
-        folder = write_sync_folder(root, self._run, sync_id, tag, weights)
-        self._current, self._canary = Published(folder, tag, sync_id, len(weights), size), canary
-        cancelled = threading.Event()
-        stop = stopper(cancelled)
-
-        def load(server: ServerClient) -> float:
-            with server.lock:
-                return self._attempts(server, f"weight sync {tag}", lambda n: self._load(server, paused=True), stop)
-
-        futures = [self._pool.submit(load, server) for server in self._servers]
-        if not self._wait(futures, cancelled, "loading the weights into a vLLM server"):
-            return None
-        load_s = max(f.result() for f in futures)
-        remove_older_syncs(root, self._run, folder)  # a restarted server loads the current sync; nothing older
-        return replace(self._current, load_s=load_s, seconds=time.perf_counter() - start)
-
-    def _load(self, server: ServerClient, paused: bool) -> float:
-        """Load the current folder into ``server`` and verify it (caller holds ``server.lock``). ``paused``: behind
-        ``/pause`` (it waits for what the server still generates) and ``/resume``; a server just restarted has
-        nothing in flight. :class:`ServerDown` when the server is found down at any of these calls."""
-        sync = self._current
-        try:
-            if paused:
-                server.call("/pause?mode=wait", {})
-            try:  # a load moves no progress counter: bounded by request_timeout, and ended when the server is down
-                loaded = server.rpc("rloo_load", sync.folder, sync.tag, timeout=self.request_timeout, watch="health",
-                                    refused_5xx=True)  # the worker's own error: said with the folder, not retried
-                server.call("/reset_prefix_cache", {}, timeout=self.request_timeout)
-            finally:
-                if paused:
-                    server.call("/resume", {}, timeout=self.request_timeout)
-        except ServerRefused as err:
-            raise ServerFailed(f"VLLMServerEngine: {server.url} failed to load weight sync {sync.tag} from "
-                               f"{sync.folder}: {err} (the server must read sync_dir: a file system both see)") \
-                from None
-        if not isinstance(loaded, dict) or (loaded.get("tensors"), loaded.get("bytes")) != (sync.tensors, sync.bytes):
-            raise ServerFailed(f"VLLMServerEngine: {server.url} loaded {loaded!r} of weight sync {sync.tag}, not the "
-                               f"{sync.tensors} tensors ({sync.bytes} bytes) written")
-        self._verify(server)
-        return float(loaded.get("seconds") or 0.0)
-
-    def _verify(self, server: ServerClient) -> None:
-        """The canary: the server's log-probs of a fixed sequence equal the trainer's within the tolerance."""
-        ids, expected = self._canary.ids, self._canary.logprobs
-        try:
-            answer = server.call("/v1/completions", {"model": server.model, "prompt": ids, "max_tokens": 1,
-                                                     "temperature": 1.0, "prompt_logprobs": 0, "seed": 0},
-                                 timeout=self._row_timeout(server))
-        except ServerRefused as err:
-            raise ServerFailed(f"VLLMServerEngine: {server.url} refused the canary of weight sync "
-                               f"{self._current.tag}: {err}") from None
-        steps = answer["choices"][0]["prompt_logprobs"][1:]
-        got = [float(step[str(tok)]["logprob"]) for tok, step in zip(ids[1:], steps)]
-        gap = max(abs(a - b) for a, b in zip(got, expected))
-        if not gap <= self.canary_tolerance:
-            raise ServerFailed(f"VLLMServerEngine: after weight sync {self._current.tag}, {server.url} gives canary "
-                               f"log-probs up to {gap:.3g} from the trainer's (canary_tolerance="
-                               f"{self.canary_tolerance:g}): the server samples from other weights than the policy's")
-
     def _row_timeout(self, server: ServerClient) -> float | None:
         """A request that generates has no bound of its own where the watch sees the server's progress."""
         return None if server.progress_signal else self.request_timeout
@@ -342,7 +250,7 @@ class VLLMServerEngine(GenerationEngine):
         sync when it holds another (a restart, or another trainer's). :class:`ServerDown` when it is down."""
         with server.lock:
             state = server.rpc("rloo_state", timeout=self.request_timeout)
-            if state.split(":", 1)[1] != self._current.tag:
+            if state.split(":", 1)[1] != self._holds():
                 server.read_model()  # a restart may rename it
                 self._load(server, paused=False)
                 state = server.rpc("rloo_state", timeout=self.request_timeout)
@@ -392,13 +300,13 @@ class VLLMServerEngine(GenerationEngine):
                            "attempts at a batch")
 
     def _row(self, server: ServerClient, prompt: list[int], params: dict, row_seed: int, rid: str, stop) -> tuple:
-        body = {"model": server.model, "prompt": prompt, "seed": row_seed, **params}
+        body = {"model": self._served(server), "prompt": prompt, "seed": row_seed, **params}
 
         def attempt(n: int) -> tuple:
             stop()
             if n:  # after the server was down: it may have restarted, and is synced and verified before it samples
                 self._ensure_current(server)
-                body["model"] = server.model
+                body["model"] = self._served(server)
             request_id = f"{rid}-a{n}"
             try:
                 answer = server.call("/v1/completions", {**body, "request_id": request_id},
@@ -462,12 +370,6 @@ class VLLMServerEngine(GenerationEngine):
                 return False
         return True
 
-    def _canary_ids(self, model) -> list[int]:
-        if self._canary is not None:
-            return self._canary.ids
-        limit = min(server.max_model_len or self.canary_tokens + 1 for server in self._servers)
-        return canary_ids(base_model(model).config.vocab_size, max(2, min(self.canary_tokens, limit - 1)))
-
     # -- figures -----------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         """Since the last call: ``train/weight_sync_s`` (rank 0's write, loads and checks), ``train/weight_sync_mb``,
@@ -496,5 +398,6 @@ class VLLMServerEngine(GenerationEngine):
 
     def __getstate__(self) -> dict:  # a deep copy or pickle of the module carries the options, not the connections
         state = dict(self.__dict__)
-        state.update(_servers=None, _pool=None, _rows_pool=None, _pending=[], stale=True, _canary=None, _made_dir=None)
+        state.update(_servers=None, _pool=None, _rows_pool=None, _pending=[], stale=True, _canary=None, _made_dir=None,
+                     _base=None, _current=None)
         return state

@@ -73,7 +73,7 @@ class WeightSync:
 
     def rloo_describe(self) -> str:
         """JSON of what the trainer checks at connect: the model's architectures, vocabulary size, dtype, hidden size
-        and layers, the log-probs it reports, and vLLM's version."""
+        and layers, the log-probs it reports, vLLM's version, and the largest LoRA rank it serves (None: none)."""
         import vllm
 
         config = self.vllm_config.model_config
@@ -88,6 +88,7 @@ class WeightSync:
             "max_model_len": config.max_model_len,
             "vllm_version": vllm.__version__,
             "boot": BOOT,
+            "max_lora_rank": getattr(self.vllm_config.lora_config, "max_lora_rank", None),  # None: no LoRA
         })
 
 

@@ -20,7 +20,7 @@ from torch import Tensor
 from rloo_lightning.engines.vllm_common import named_weights
 
 __all__ = ["Canary", "Published", "agreed", "canary_ids", "canary_logprobs", "memory_folder",
-           "remove_older_syncs", "weights_to_write", "world", "write_sync_folder"]
+           "remove_older_syncs", "sync_folder", "weights_to_write", "world", "write_sync_folder"]
 
 _CANARY_SEED = 20240214
 
@@ -44,6 +44,8 @@ class Published:
     bytes: int
     load_s: float = 0.0  # the slowest server's own load
     seconds: float = 0.0  # rank 0's write, loads and checks
+    adapter: str | None = None  # an adapter sync (lora_sync: adapter): the adapter's name on the servers
+    base: Published | None = None  # and the base it adapts (bytes: what this sync wrote, the base at the first)
 
 
 def world() -> tuple[int, int]:
@@ -70,11 +72,12 @@ def agreed(outcome: Published | str | None, world_size: int) -> Published | str 
     return None if any(o is None for o in every) else every[0]
 
 
-def weights_to_write(model, rank: int) -> dict[str, Tensor]:
-    """The policy's weights on the CPU for rank 0's file (empty on another rank). Every rank calls this at the same
-    point: a gather under FSDP2 walks every weight on every rank."""
+def weights_to_write(model, rank: int, merged: bool = True) -> dict[str, Tensor]:
+    """The policy's weights on the CPU for rank 0's file (empty on another rank), a LoRA policy's merged unless
+    ``merged`` is False (the base alone). Every rank calls this at the same point: a gather under FSDP2 walks every
+    weight on every rank."""
     weights, seen = {}, set()
-    for name, tensor in named_weights(model):
+    for name, tensor in named_weights(model, merged=merged):
         if rank == 0:
             # No copy where the policy already is on the CPU: nothing changes the weights until the file is written
             # (the sync runs before the step's rollout, after its optimizer step). A tensor that shares another's
@@ -100,12 +103,17 @@ def _sync_prefix(run: str) -> str:
     return f"{run}-sync"
 
 
+def sync_folder(root: str, run: str, sync_id: int) -> str:
+    """The folder of sync ``sync_id`` of ``run`` under ``root``."""
+    return os.path.join(root, f"{_sync_prefix(run)}{sync_id:06d}")
+
+
 def write_sync_folder(root: str, run: str, sync_id: int, tag: str, weights: dict[str, Tensor]) -> str:
     """Write ``weights`` as one safetensors file into a new folder under ``root``, atomically (a partial folder is
     never named); the folder."""
     from safetensors.torch import save_file
 
-    folder = os.path.join(root, f"{_sync_prefix(run)}{sync_id:06d}")
+    folder = sync_folder(root, run, sync_id)
     partial = folder + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)

@@ -16,6 +16,11 @@ vLLM 0.32 with ``rloo-lightning serve``'s worker extension and key guard answers
 * ``POST /v1/completions``: token ids in, token ids out (``return_token_ids``), one seed per request, the processed
   log-probs of the sampled tokens (after temperature, top-k and top-p: what it sampled from), ``prompt_logprobs``
   (the canary), ``stop_token_ids``, ``ignore_eos``, ``max_tokens`` within the model's context;
+* with ``lora_rank`` set (``rloo-lightning serve --lora-rank``: LoRA on, runtime adapter loading on),
+  ``POST /v1/load_lora_adapter`` (a PEFT folder, merged into a copy of the base for its completions; a name loaded
+  already: 400; a rank over ``lora_rank``: 500) and ``POST /v1/unload_lora_adapter``, a completion's ``model``
+  naming an adapter, and ``rloo_describe``'s ``max_lora_rank``; a base load (``rloo_load``) or a restart drops every
+  adapter, as vLLM's;
 * every path but ``GET /health`` behind ``Authorization: Bearer <key>`` (401 otherwise).
 
 It is honest: it holds a real transformers causal LM built from the model folder's config (dummy weights, seeded by
@@ -149,7 +154,7 @@ class StandinVLLM:
 
     def __init__(self, model_dir: str, key: str, port: int = 0, served_name: str | None = None,
                  load_format: str = "dummy", dev_mode: bool = True, vllm_version: str = VLLM_VERSION,
-                 announce=None) -> None:
+                 announce=None, lora_rank: int | None = None) -> None:
         import torch
         from transformers import AutoConfig
 
@@ -173,6 +178,10 @@ class StandinVLLM:
         #: "ok"; "nothing": a load consumes no tensor (vLLM's NCCL update without CUDA); "ignore": it counts the
         #: tensors but keeps the old weights (a load that "succeeds" and changes nothing).
         self.load_mode = "ok"
+        self.lora_rank = lora_rank  # None: LoRA off (no adapter routes, as vLLM without --enable-lora)
+        #: "ok"; "ignore": an adapter load answers success and keeps nothing (completions under its name use the base)
+        self.adapter_mode = "ok"
+        self.adapters: dict = {}  # name -> the base with the adapter merged in
         self.frozen: str | None = None  # None, or what /health does while frozen: "silent" or "200"
         self.draining: str | None = None  # None, "refused" or "503"
         self.paused: str | None = None  # None or the mode of the last /pause
@@ -238,6 +247,7 @@ class StandinVLLM:
                 torch.manual_seed(1000 + self.boots)
                 model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
         self.model = model.eval()
+        self.adapters = {}
 
     def restart(self) -> None:
         """A new boot: the loaded weights lost (dummy weights again, version ""), not paused, every request in flight
@@ -321,7 +331,7 @@ class StandinVLLM:
     def set(self, **values) -> None:
         """Set attributes (``canary_offset``, ``load_mode``, ``key``, ``token_delay``) in the script mode."""
         for name, value in values.items():
-            if name not in ("canary_offset", "load_mode", "key", "token_delay"):
+            if name not in ("canary_offset", "load_mode", "key", "token_delay", "adapter_mode"):
                 raise ValueError(f"cannot set {name}")
             setattr(self, name, value)
 
@@ -498,6 +508,8 @@ class StandinVLLM:
             return self._completion(body, flight)
         if path == "/metrics" and method == "GET":
             return 200, self.metrics()
+        if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter") and method == "POST" and self.lora_rank:
+            return self._adapter(path, body)
         if path == "/abort_requests" and method == "POST":
             ids = set(body.get("request_ids") or [])
             with self._cond:
@@ -564,7 +576,7 @@ class StandinVLLM:
                                "vocab_size": c.vocab_size, "dtype": "float32", "hidden_size": c.hidden_size,
                                "num_hidden_layers": c.num_hidden_layers, "logprobs_mode": "processed_logprobs",
                                "max_model_len": self.max_model_len, "vllm_version": self.vllm_version,
-                               "boot": self.boot})
+                               "boot": self.boot, "max_lora_rank": self.lora_rank})
         if method == "rloo_load":
             return self._load(*args)
         raise AttributeError(f"the worker has no method {method!r}")
@@ -579,6 +591,7 @@ class StandinVLLM:
         counted = {"tensors": 0, "bytes": 0}
         with self._model_lock:
             self.version = ""  # a load that fails half-way leaves no version the trainer would trust
+            self.adapters = {}  # as vLLM's reload_weights: every adapter dropped
             params = dict(self.model.named_parameters(remove_duplicate=False))
             params.update(self.model.named_buffers(remove_duplicate=False))
             with self._torch.no_grad():
@@ -600,6 +613,34 @@ class StandinVLLM:
             self.version = version
         return {"version": version, "boot": self.boot, **counted, "seconds": time.perf_counter() - start}
 
+    def _adapter(self, path: str, body: dict) -> tuple[int, object]:
+        """``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``, with vLLM's answers."""
+        import copy
+
+        name = str(body.get("lora_name"))
+        if path.endswith("unload_lora_adapter"):
+            if self.adapters.pop(name, None) is None:
+                return 404, {"error": {"message": f"The lora adapter '{name}' cannot be found.", "code": 404}}
+            return 200, f"Success: LoRA adapter '{name}' removed successfully."
+        if name in self.adapters:
+            return 400, {"error": {"message": f"The lora adapter '{name}' has already been loaded. If you want to "
+                                              "load the adapter in place, set 'load_inplace' to True.", "code": 400}}
+        folder = str(body.get("lora_path"))
+        if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
+            return 404, {"error": {"message": f"Loading lora {name} failed: No adapter found for {folder}",
+                                   "type": "NotFoundError", "code": 404}}
+        import peft
+
+        rank = json.load(open(os.path.join(folder, "adapter_config.json")))["r"]
+        if rank > self.lora_rank:
+            return 500, {"error": {"message": f"LoRA rank {rank} is greater than max_lora_rank {self.lora_rank}.",
+                                   "code": 500}}
+        with self._model_lock:
+            base = copy.deepcopy(self.model)
+            merged = base if self.adapter_mode == "ignore" else peft.PeftModel.from_pretrained(base, folder)
+            self.adapters[name] = (merged if self.adapter_mode == "ignore" else merged.merge_and_unload()).eval()
+        return 200, f"Success: LoRA adapter '{name}' added successfully."
+
     # -- completions --------------------------------------------------------------------------------------------
     def _aborted(self, body: dict | None) -> dict:
         return {"id": f"cmpl-{(body or {}).get('request_id')}", "object": "text_completion",
@@ -609,7 +650,7 @@ class StandinVLLM:
 
     def _completion(self, body: dict, flight: _InFlight) -> tuple[int, object]:
         torch = self._torch
-        if body.get("model") != self.served_name:
+        if body.get("model") != self.served_name and body.get("model") not in self.adapters:
             return 404, {"error": {"message": f"The model `{body.get('model')}` does not exist.",
                                    "type": "NotFoundError", "code": 404}}
         prompt = body.get("prompt")
@@ -643,7 +684,7 @@ class StandinVLLM:
         ids, out, logps, finish = list(prompt), [], [], "length"
         prompt_logprobs = None
         with self._model_lock, torch.no_grad():
-            model = self.model
+            model = self.adapters.get(body.get("model"), self.model)
             if body.get("prompt_logprobs") is not None:
                 x = torch.tensor([prompt])
                 logits = model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False).logits[0].float()

@@ -1,0 +1,130 @@
+"""VLLMServerEngine with a LoRA policy (``lora_sync: adapter``, the default) on stand-in vLLM servers that serve
+adapters as vLLM's does (``tests/helpers/standin_vllm_server.py``: runtime adapter loading, a base load or a restart
+dropping every adapter): the base once per server boot, then the adapter alone; rows and canary under the adapter's
+name; a restart reloads both before a row is sampled; a server without LoRA, or with too small a rank, refused at
+connect; an adapter that did not load caught by the canary. The same on real vLLM: ``test_engines_vllm_server.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import standin_engine
+from standin_engine import KEY, one_line, same
+from standin_vllm_server import StandinVLLM
+
+peft = pytest.importorskip("peft")
+server_key, engines, policy = standin_engine.server_key, standin_engine.engines, standin_engine.policy
+
+
+@pytest.fixture
+def lora_server(tiny_model_dir):
+    with StandinVLLM(tiny_model_dir, KEY, lora_rank=8) as server:
+        yield server
+
+
+def _lora(policy, seed: int = 0):
+    model, tok, config, ids, mask = policy
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    _move(lora, seed)
+    return lora, tok, config, ids, mask
+
+
+def _move(lora, seed: int) -> None:
+    """A step's stand-in: new adapter values (the base stays: peft freezes it)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+
+
+def _logprobs(model, ids, mask, out) -> torch.Tensor:
+    full = torch.cat([ids, out], 1)
+    with torch.no_grad():
+        logits = model(input_ids=full, attention_mask=torch.cat([mask, torch.ones_like(out)], 1)).logits.float()
+    return torch.log_softmax(logits[:, ids.shape[1] - 1:-1], -1).gather(-1, out[..., None])[..., 0]
+
+
+def _kinds(server, start: int = 0) -> list[str]:
+    return [e["kind"] for e in server.log[start:] if e.get("outcome") == "200"]
+
+
+def test_the_base_goes_once_then_the_adapter_alone_and_rows_sample_with_it(lora_server, engines, policy):
+    lora, tok, config, ids, mask = _lora(policy)
+    engine = engines(lora_server)
+    engine.prepare(lora, tok, config)
+    out, logp = engine.generate(lora, tok, ids, mask, config, seed=3)
+    kinds = _kinds(lora_server)
+    assert kinds.count("rpc:rloo_load") == 1 and kinds.count("/v1/load_lora_adapter") == 1
+    assert kinds.index("rpc:rloo_load") < kinds.index("/v1/load_lora_adapter") < kinds.index("canary")
+    real = out != tok.pad_token_id
+    assert (_logprobs(lora.eval(), ids, mask, out) - logp)[real].abs().max() < 1e-4  # the adapter's samples
+    first_mb = engine.metrics()["train/weight_sync_mb"]
+    adapter_mb = sum(p.numel() * 4 for n, p in lora.named_parameters() if "lora_" in n) / 2**20
+    for seed in (1, 2):
+        _move(lora, seed)
+        engine.on_weights_updated(lora)
+        start = len(lora_server.log)
+        out, logp = engine.generate(lora, tok, ids, mask, config, seed=3)
+        kinds = _kinds(lora_server, start)
+        assert "rpc:rloo_load" not in kinds and "/pause" not in kinds  # the base stays; no pause for an adapter
+        assert kinds.count("/v1/load_lora_adapter") == 1 and kinds.count("/v1/unload_lora_adapter") == 1
+        real = out != tok.pad_token_id
+        assert (_logprobs(lora.eval(), ids, mask, out) - logp)[real].abs().max() < 1e-4
+        assert engine.metrics()["train/weight_sync_mb"] == pytest.approx(adapter_mb, rel=1e-6)
+        assert list(lora_server.adapters) == [f"rloo-adapter-{seed + 1}"]  # the older name unloaded
+    assert first_mb > 10 * adapter_mb  # the first sync wrote the base as well
+
+
+def test_a_restart_loads_the_base_and_the_adapter_again_before_a_row(lora_server, engines, policy):
+    lora, tok, config, ids, mask = _lora(policy)
+    engine = engines(lora_server)
+    expected = engine.generate(lora, tok, ids, mask, config, seed=5)
+    lora_server.restart()  # dummy weights, no adapter
+    start = len(lora_server.log)
+    assert same(engine.generate(lora, tok, ids, mask, config, seed=5), expected)
+    kinds = _kinds(lora_server, start)
+    assert kinds.index("rpc:rloo_load") < kinds.index("/v1/load_lora_adapter") < kinds.index("canary")
+    assert kinds.index("canary") < kinds.index("row")
+
+
+@pytest.mark.parametrize("rank, said", [(None, "server max_lora_rank None"), (4, "server max_lora_rank 4")])
+def test_a_server_without_lora_or_with_a_smaller_rank_is_refused_at_connect(tiny_model_dir, engines, policy, rank,
+                                                                           said):
+    lora, tok, config, ids, mask = _lora(policy)
+    lora.peft_config["default"].r = 8  # the rank the server is checked for
+    with StandinVLLM(tiny_model_dir, KEY, lora_rank=rank) as server:
+        with pytest.raises(ValueError) as err:
+            engines(server).prepare(lora, tok, config)
+    line = one_line(err)
+    assert said in line and "--lora-rank 8" in line and "lora_sync: merged" in line
+
+
+def test_merged_syncs_a_lora_policy_to_a_server_without_lora(tiny_model_dir, engines, policy):
+    lora, tok, config, ids, mask = _lora(policy)
+    with StandinVLLM(tiny_model_dir, KEY) as server:
+        engine = engines(server, lora_sync="merged")
+        out, logp = engine.generate(lora, tok, ids, mask, config, seed=3)
+        real = out != tok.pad_token_id
+        assert (_logprobs(lora.eval(), ids, mask, out) - logp)[real].abs().max() < 1e-4
+        assert "/v1/load_lora_adapter" not in _kinds(server)
+
+
+def test_an_adapter_that_did_not_load_is_caught_by_the_canary(lora_server, engines, policy):
+    lora, tok, config, ids, mask = _lora(policy)
+    engine = engines(lora_server, retries=0)
+    lora_server.set(adapter_mode="ignore")  # answers success, samples with the base
+    with pytest.raises(Exception) as err:
+        engine.generate(lora, tok, ids, mask, config, seed=3)
+    assert "adapter rloo-adapter-1 on its base" in one_line(err) and lora_server.url in one_line(err)
+
+
+def test_a_server_that_cannot_load_adapters_at_runtime_is_named(lora_server, engines, policy, monkeypatch):
+    lora, tok, config, ids, mask = _lora(policy)
+    engine = engines(lora_server, retries=0)
+    engine.prepare(lora, tok, config)
+    monkeypatch.setattr(lora_server, "lora_rank", None)  # as without VLLM_ALLOW_RUNTIME_LORA_UPDATING: no route
+    with pytest.raises(Exception) as err:
+        engine.generate(lora, tok, ids, mask, config, seed=3)
+    assert "failed to load the adapter of weight sync" in one_line(err) and "--lora-rank" in one_line(err)
