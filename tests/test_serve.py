@@ -273,8 +273,8 @@ def _group(pgid: int) -> list[int]:
 
 
 def _start_serve_with_fake_vllm(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
-    """``serve``'s process tree around the stand-in (``run_tree`` and ``end_process``, as ``main`` runs them): serve's process, and the
-    pids of the stand-in's three processes once they are up."""
+    """``serve``'s process tree around the stand-in (``run_tree`` and ``end_process``, as ``main`` runs them):
+    serve's process, and the pids of the stand-in's three processes once they are up."""
     script = tmp_path / "fake_vllm.py"
     script.write_text(FAKE_VLLM)
     runner = ("import sys; from rloo_lightning.serve import end_process, run_tree; "
