@@ -148,14 +148,14 @@ def server_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vllm_server(server_model_dir, tmp_path_factory):
-    """One vLLM server on localhost (``rloo-lightning serve``), shared by the server engine's tests; killed at the
-    session's end."""
+    """One vLLM server on localhost (``rloo-lightning serve``, LoRA adapters of rank 8 on: the adapter sync's
+    tests), shared by the server engine's tests; killed at the session's end."""
     from rloo_lightning.engines.vllm import vllm_available
 
     if not vllm_available():
         pytest.skip("vLLM is not installed")
     from vllm_server_helpers import start_server
 
-    server = start_server(server_model_dir, tmp_path_factory.mktemp("vllm_server"))
+    server = start_server(server_model_dir, tmp_path_factory.mktemp("vllm_server"), serve_args=("--lora-rank", "8"))
     yield server
     server.kill()

@@ -378,6 +378,40 @@ def test_server_engine_options_are_checked():
 
 
 @vllm_test
+def test_a_lora_policy_syncs_its_adapter_alone_samples_with_it_and_a_wrong_adapter_is_caught(
+        vllm_server, server_model_dir, monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    from rloo_lightning.engines import vllm_server_sync
+
+    model, tok = _policy(server_model_dir)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    config = _config(tok)
+    ids, mask = _prompts(tok, groups=2, length=80)
+    engine = VLLMServerEngine(urls=[vllm_server.url], connect_timeout=60)  # lora_sync: adapter, the default
+    engine.prepare(model, tok, config)
+    engine.generate(model, tok, ids, mask, config, seed=1)
+    base_mb = engine.metrics()["train/weight_sync_mb"]
+    adapter_mb = sum(p.numel() * 4 for n, p in model.named_parameters() if "lora_" in n) / 2**20
+    for seed in (0, 1):
+        _train(model, ids, mask, lr=0.5, seed=seed)  # the adapters only: their deltas become non-zero
+        engine.on_weights_updated(model)
+        completion, logp = engine.generate(model, tok, ids, mask, config, seed=2 + seed)
+        ref, keep = _sampled_logprobs(model, ids, mask, completion, tok.eos_token_id)
+        assert float(((ref - logp[:, : ref.shape[1]]).abs() * keep).max()) < 1e-3  # vLLM sampled with the adapter
+        assert engine.metrics()["train/weight_sync_mb"] == pytest.approx(adapter_mb, rel=1e-6)
+    assert base_mb > 20 * adapter_mb
+    _train(model, ids, mask, lr=0.5, seed=2)
+    engine.on_weights_updated(model)
+    real = vllm_server_sync.adapter_tensors  # the file holds another adapter than the policy's: lora_B halved
+    monkeypatch.setattr(vllm_server_sync, "adapter_tensors",
+                        lambda m: {k: v * 0.5 if "lora_B" in k else v for k, v in real(m).items()})
+    with pytest.raises(RuntimeError, match=r"canary log-probs up to .*\(adapter rloo-adapter-4 on its base\)"):
+        engine.generate(model, tok, ids, mask, config, seed=5)
+    engine.close()
+
+
+@vllm_test
 def test_a_lora_policy_syncs_merged_weights_and_an_unmerged_sync_is_caught(vllm_server, server_model_dir,
                                                                           monkeypatch):
     from peft import LoraConfig, get_peft_model
@@ -386,7 +420,7 @@ def test_a_lora_policy_syncs_merged_weights_and_an_unmerged_sync_is_caught(vllm_
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
     config = _config(tok)
     ids, mask = _prompts(tok, groups=2, length=80)
-    engine = VLLMServerEngine(urls=[vllm_server.url], connect_timeout=60)
+    engine = VLLMServerEngine(urls=[vllm_server.url], connect_timeout=60, lora_sync="merged")
     engine.prepare(model, tok, config)
     engine.generate(model, tok, ids, mask, config, seed=1)
     _train(model, ids, mask, lr=0.5)  # the adapters only: their deltas become non-zero

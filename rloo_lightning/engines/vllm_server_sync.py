@@ -170,7 +170,7 @@ class ServerWeightSync:
         got = [float(step[str(tok)]["logprob"]) for tok, step in zip(ids[1:], steps)]
         gap = max(abs(a - b) for a, b in zip(got, expected))
         if not gap <= self.canary_tolerance:
-            what = f"adapter {self._current.adapter} on its base" if self._current.adapter else "weights"
+            what = f"weights (adapter {self._current.adapter} on its base)" if self._current.adapter else "weights"
             raise ServerFailed(f"VLLMServerEngine: after weight sync {self._current.tag}, {server.url} gives canary "
                                f"log-probs up to {gap:.3g} from the trainer's (canary_tolerance="
                                f"{self.canary_tolerance:g}): the server samples from other {what} than the policy's")

@@ -85,10 +85,11 @@ def server_env(cwd: Path, **extra: str) -> dict:
                     VLLM_LOGGING_LEVEL="WARNING", **extra)
 
 
-def start_server(model_dir: str, cwd: Path, port: int | None = None, name: str = "server", wait: bool = True) -> Server:
+def start_server(model_dir: str, cwd: Path, port: int | None = None, name: str = "server", wait: bool = True,
+                 serve_args: tuple[str, ...] = ()) -> Server:
     port = port or free_port()
-    proc = start_cli(name, ["serve", "--model", model_dir, "--port", str(port), "--", "--enforce-eager"], cwd,
-                     server_env(cwd), timeout=3600)
+    proc = start_cli(name, ["serve", "--model", model_dir, "--port", str(port), *serve_args, "--", "--enforce-eager"],
+                     cwd, server_env(cwd), timeout=3600)
     server = Server(proc, port, model_dir)
     return server.wait_up() if wait else server
 
