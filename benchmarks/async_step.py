@@ -43,7 +43,11 @@ startup (``server_start_s``, from its start to ``/health`` answering) is in no s
 ``push_s`` is the median ``train/weight_sync_wait_s`` (the trainer's whole wait for a sync: the weights gathered,
 written, loaded by the server and checked by the canary); ``weight_sync_s`` (rank 0's write + load + verify) and
 ``weight_sync_mb`` are medians too, ``server_retries`` the timed steps' sum; ``engine_peak_rss_mb`` is None (the
-server is not the trainer's child).
+server is not the trainer's child). The colocated engine's ``weight_sync_s`` / ``weight_sync_mb`` are its pushes'.
+
+``--lora-rank R``: the policy is a LoRA policy of rank R (alpha 2R, every linear projection), synced as
+``--lora-sync`` says (``adapter``: the base once, then the adapter alone; ``merged``: full weights every step), the
+server started with ``serve --lora-rank R``.
 
 Prints one JSON object (machine, versions, settings, per-configuration results with per-step entries); ``--out FILE``
 writes it too. Needs vLLM (on a CPU the environment ``scripts/vllm_cpu_env.sh`` builds), for the server too (it runs
@@ -82,6 +86,7 @@ TAGS = ("train/completion_length", "train/rollout_wait_s", "train/engine_idle_s"
         "train/rollout_queue_depth", "train/mismatch/kl_k3")
 SERVER_TAGS = {"weight_sync_s": "train/weight_sync_s", "weight_sync_mb": "train/weight_sync_mb",
                "weight_sync_wait_s": "train/weight_sync_wait_s", "server_retries": "train/server_retries"}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMALLEST = dict(lags=[0, 1], splits=["1:1"], warmup=1, steps=2, batch_size=2, k=2, max_new_tokens=4)
 ENGINES = {"colocated": "rloo_lightning.engines.vllm.VLLMEngine",
            "server": "rloo_lightning.engines.vllm_server.VLLMServerEngine"}
@@ -131,6 +136,10 @@ def run_fit(spec_path: str, out_path: str) -> None:
             f"--trainer.callbacks.path={engine_file}"]
     if spec.get("gguf_file"):
         args += ["--model.policy.gguf_file", spec["gguf_file"]]
+    if spec.get("lora_rank"):  # a LoRA policy on every linear projection, alpha 2r; its sync as --lora-sync says
+        args += ["--model.policy.lora", json.dumps({"r": spec["lora_rank"], "lora_alpha": 2 * spec["lora_rank"],
+                                                    "target_modules": LORA_TARGETS}),
+                 "--model.generation_engine.lora_sync", spec["lora_sync"]]
     os.chdir(work)
     cli(args)
 
@@ -138,7 +147,7 @@ def run_fit(spec_path: str, out_path: str) -> None:
     runs = sorted((work / "lightning_logs").glob("version_*"), key=lambda p: p.stat().st_mtime)
     scalars = read_scalars(runs[-1]) if runs else {}
     rows = spec["prompts"] * spec["k"]
-    tags = TAGS + (tuple(SERVER_TAGS.values()) if server else ())
+    tags = TAGS + tuple(SERVER_TAGS.values())
     steps = []
     for i, entry in enumerate(timed):
         step = entry["step"]
@@ -153,8 +162,9 @@ def run_fit(spec_path: str, out_path: str) -> None:
             "rollout_wait_s": per_tag["train/rollout_wait_s"], "engine_idle_s": per_tag["train/engine_idle_s"],
             "staleness": per_tag["train/staleness"], "queue_depth": per_tag["train/rollout_queue_depth"],
             "mismatch_kl_k3": per_tag["train/mismatch/kl_k3"]})
-        if server:  # the engine's syncs: logged with the step's metrics (the syncs since the step before's)
-            steps[-1].update({key: per_tag[tag] for key, tag in SERVER_TAGS.items()})
+        # the engine's syncs (both engines; the server's retries too): logged with the step's metrics (the syncs since
+        # the step before's)
+        steps[-1].update({key: per_tag[tag] for key, tag in SERVER_TAGS.items()})
     engine = json.loads(engine_file.read_text()) if engine_file.exists() else {}
     import torch
 
@@ -217,10 +227,10 @@ def _summary(result: dict, warmup: int, steps: int, engine_name: str = "colocate
         "trainer_threads_seen": result.get("trainer_threads_seen"),
         "wall_s": _r(result.get("wall_s"), 1),
     }
+    summary.update(weight_sync_s=med("weight_sync_s"), weight_sync_mb=med("weight_sync_mb"))
     if engine_name == "server":
         retries = [s["server_retries"] for s in timed if s.get("server_retries") is not None]
-        summary.update(weight_sync_s=med("weight_sync_s"), weight_sync_mb=med("weight_sync_mb"),
-                       server_retries=round(sum(retries)) if retries else None)
+        summary.update(server_retries=round(sum(retries)) if retries else None)
     summary["per_step"] = _columns(result["steps"])
     return summary
 
@@ -264,7 +274,7 @@ def _stop_server(proc: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def _server(model: str, gguf_file: str | None, dtype: str, threads: int, work: Path, name: str,
-            timeout: float = SERVER_STARTUP_S) -> Iterator[dict]:
+            timeout: float = SERVER_STARTUP_S, lora_rank: int | None = None) -> Iterator[dict]:
     """A vLLM server for ``model`` (``rloo-lightning serve``, this Python) on a free localhost port with ``threads``
     OpenMP threads, its output in ``work/<name>.log``, up (``/health`` 200) when this yields ``{"url", "start_s",
     "log"}``; killed, its whole process group, at the exit. RuntimeError, with the log's tail, when it does not come
@@ -276,6 +286,8 @@ def _server(model: str, gguf_file: str | None, dtype: str, threads: int, work: P
            "--folder", str(work / f"{name}_model")]  # the config and tokenizer: in the work folder, removed with it
     if gguf_file:
         cmd += ["--gguf-file", gguf_file]
+    if lora_rank:
+        cmd += ["--lora-rank", str(lora_rank)]
     cmd += ["--", "--enforce-eager"]
     env = child_env(threads)  # OMP_NUM_THREADS / MKL_NUM_THREADS: the engine's E threads
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # on a CPU: no pinning to cores the trainer uses too
@@ -344,6 +356,10 @@ def main(argv: list[str] | None = None) -> None:
                                                                         "(0: do not wait)")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, specs, results)")
+    parser.add_argument("--lora-rank", type=int, help="a LoRA policy of this rank (alpha 2r, every linear projection; "
+                                                      "the server started with serve --lora-rank)")
+    parser.add_argument("--lora-sync", choices=["adapter", "merged"], default="adapter",
+                        help="the engines' lora_sync with --lora-rank")
     args = parser.parse_args(argv)
     if args.smallest:
         for key, value in SMALLEST.items():
@@ -375,7 +391,8 @@ def main(argv: list[str] | None = None) -> None:
                 "prompts": args.batch_size, "k": args.k, "max_new_tokens": args.max_new_tokens,
                 "num_train_rows": max(64, args.batch_size * (total + max(args.lags))), "total_steps": total,
                 "seed": args.seed, "dtype": args.dtype,
-                "lr": args.lr or quickstart["optimizer"]["init_args"]["lr"]}
+                "lr": args.lr or quickstart["optimizer"]["init_args"]["lr"], "lora_rank": args.lora_rank,
+                "lora_sync": args.lora_sync}
         key = os.environ.get(API_KEY_ENV) or secrets.token_hex(16)  # the server's and its trainers'
         for trainer_threads, engine_threads in args.splits:
             split = f"{trainer_threads}:{engine_threads}"
@@ -390,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
                         try:
                             server = stack.enter_context(_server(
                                 base["model"], args.gguf_file, args.dtype, engine_threads, work,
-                                f"server_{trainer_threads}x{engine_threads}"))
+                                f"server_{trainer_threads}x{engine_threads}", lora_rank=args.lora_rank))
                         except RuntimeError as err:  # every K of this split fails with it; the next split runs
                             print(f"[async_step]   {err}", file=sys.stderr)
                             for lag in args.lags:

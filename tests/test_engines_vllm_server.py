@@ -114,7 +114,8 @@ def test_a_sync_that_leaves_the_server_behind_is_caught(vllm_server, server_mode
     engine.prepare(model, tok, config)
     engine.generate(model, tok, ids, mask, config, seed=1)
     old = {name: t.clone() for name, t in vllm_common.named_weights(model)}
-    monkeypatch.setattr(vllm_sync, "named_weights", lambda m, merged=True: iter(old.items()))  # a sync that sends the old weights
+    # a sync that sends the old weights
+    monkeypatch.setattr(vllm_sync, "named_weights", lambda m, merged=True: iter(old.items()))
     _train(model, ids, mask, lr=0.5)
     engine.on_weights_updated(model)
     with pytest.raises(RuntimeError, match=rf"after weight sync \w+:2, {vllm_server.url} gives canary log-probs "
