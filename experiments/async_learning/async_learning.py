@@ -11,8 +11,9 @@ weights, cap 2; with K = 0 the same, vLLM being another sampler), for each K of 
 and at the last step, the mean of ``train/mismatch/kl_k3`` over the run (how far the sampler was from pi_theta: the
 staleness plus vLLM's own kernels), the mean ``train/staleness`` and the run's wall time. ``--corrections`` names
 ``model.correction`` settings (:data:`CORRECTIONS`): each K >= 1 runs with each, K = 0 with the first. Runs two at a
-time at most (a new one starts when one ends), one thread each for the trainer and for the engine's child; before each start the
-script waits while the 1-minute load is above ``--max-load`` (at most ``--load-wait`` seconds). Prints one JSON
+time at most (a new one starts when one ends), one thread each for the trainer and for the engine's child; before
+each start the script waits while the 1-minute load is above ``--max-load`` (at most ``--load-wait`` seconds). Prints
+one JSON
 object; ``--out`` writes it too.
 """
 
