@@ -13,8 +13,7 @@ staleness plus vLLM's own kernels), the mean ``train/staleness`` and the run's w
 ``model.correction`` settings (:data:`CORRECTIONS`): each K >= 1 runs with each, K = 0 with the first. Runs two at a
 time at most (a new one starts when one ends), one thread each for the trainer and for the engine's child; before
 each start the script waits while the 1-minute load is above ``--max-load`` (at most ``--load-wait`` seconds). Prints
-one JSON
-object; ``--out`` writes it too.
+one JSON object; ``--out`` writes it too.
 """
 
 from __future__ import annotations
