@@ -241,10 +241,11 @@ def test_the_engine_leaves_the_trainers_rng_and_threads_as_they_were(tiny):
     assert torch.get_num_threads() == 1
 
 
-def _lora_policy(tok, seed: int = 1, **options):
+def _lora_policy(tok, seed: int = 1, context: int = 128, **options):
     peft = pytest.importorskip("peft")
     options = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], **options}
-    lora = peft.get_peft_model(build_tiny_llama(tok, hidden_size=128, num_heads=4, seed=1), peft.LoraConfig(**options))
+    base = build_tiny_llama(tok, hidden_size=128, num_heads=4, seed=1, max_position_embeddings=context)
+    lora = peft.get_peft_model(base, peft.LoraConfig(**options))
     _move_adapter(lora, seed)
     return lora
 
@@ -285,7 +286,7 @@ def test_a_lora_policy_samples_with_its_adapter_and_is_left_as_it_was(tiny, lora
 @vllm_test
 def test_each_adapter_push_moves_the_adapter_alone_and_the_next_rollout_samples_with_it(tiny):
     model, tok = tiny
-    lora = _lora_policy(tok)
+    lora = _lora_policy(tok, context=32)  # a context shorter than the canary's 32 tokens + 1: the canary fits it
     eng = VLLMEngine()
     eng.prepare(lora, tok, _config())
     ids, mask = _prompts(tok, TEXTS[:4], k=2)

@@ -161,21 +161,30 @@ def test_the_same_fit_with_the_default_engine_keeps_the_correction_off(runs):
     assert d["hyper_parameters"]["correction"]["level"] == "auto" and d["hyper_parameters"]["generation_engine"] is None
 
 
+LORA = ["--model.policy.lora", '{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}']
+
+
 @vllm_test
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp2-lora"])
 def test_two_rank_fits_under_ddp_and_fsdp2(tmp_path, h32_model_dir, strategy):
+    """Each rank pushes to its own engine (FSDP2: the shards gathered on every rank); a LoRA policy's adapter alone
+    after its base, every push verified by the canary, the adapter gathered from its shards."""
     from cli_harness import make_env, run_cli
 
     if strategy == "ddp":
         args = _fit(tmp_path, h32_model_dir, 2, "--trainer.strategy", "ddp", "--trainer.devices", "2", *ENGINE)
     else:
-        args = _fit(tmp_path, h32_model_dir, 2, *ENGINE, config="fsdp2_cpu.yaml")
+        args = _fit(tmp_path, h32_model_dir, 2, *ENGINE, *(LORA if "lora" in strategy else []),
+                    config="fsdp2_cpu.yaml")
     proc = run_cli(strategy, args, tmp_path, make_env(tmp_path / "cache"))
     from rloo_lightning.runtime.tensorboard_logs import read_scalars
 
     scalars = read_scalars(tmp_path / "lightning_logs/version_0")
     assert len(scalars["train/mismatch/kl_k3"]) == 2, proc.explain()
     assert max(abs(v) for v in scalars["train/mismatch/seq_log_ratio"].values()) < 1e-3
+    if "lora" in strategy:  # the base and the adapter at the first push, the adapter alone after the update
+        synced = [scalars["train/weight_sync_mb"][s] for s in sorted(scalars["train/weight_sync_mb"])]
+        assert synced[-1] < 0.1 * synced[0], synced
 
 
 @vllm_test

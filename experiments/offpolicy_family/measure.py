@@ -4,8 +4,9 @@ On the toy of ``rloo_lightning/verify/exactness_long.py`` (3 prompts, completion
 EOS, exact by enumeration) each correction of ``model.correction`` is drawn on the module's own ``training_step``
 (``off_policy_draws``): at lag 0 with a sampler whose logits are the policy's plus ``scale * N(0, 1)``
 (``perturbed_table``, seed 1) or that samples at another temperature (``--sampler-temperatures``),
-at lag 1 through the pipeline with the policy moved by the same perturbation between
-the step that sampled and the step that trains. Every correction of a cell sees the same samples (seed 0).
+at lag 1 or 2 through the pipeline with the policy moved by the same perturbation between
+the step that sampled and the step that trains (at lag 2 the rollout is the one step 0 sampled two steps ahead, and
+step 2 trains on it: the same distance, through the pipeline's K = 2 positions and seeds). Every correction of a cell sees the same samples (seed 0).
 
     python -m experiments.offpolicy_family.measure --lags 0 --scales 0.1 0.3 0.5     # one record per (lag, scale)
     python -m experiments.offpolicy_family.measure --lags 0 --sampler-temperatures 0.8  # sampling at 0.8, not 0.7
@@ -124,7 +125,7 @@ def table(records: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lags", type=int, nargs="+", default=[0, 1], choices=[0, 1])
+    parser.add_argument("--lags", type=int, nargs="+", default=[0, 1], choices=[0, 1, 2])
     parser.add_argument("--scales", type=float, nargs="+", default=list(SCALES))
     parser.add_argument("--sampler-temperatures", type=float, nargs="+",
                         help="instead of --scales (lag 0 only): the sampler samples at these temperatures, the "

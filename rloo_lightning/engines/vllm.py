@@ -313,7 +313,9 @@ class VLLMEngine(GenerationEngine):
         version = self._adapter_version + 1
         folder = os.path.join(self._config_dir.name, f"adapter-{version:06d}")
         self._sums["sync_mb"] += write_adapter_folder(folder, model, tensors) / 2**20
-        ids = canary_ids(base_model(model).config.vocab_size, 32)
+        config = base_model(model).config  # the canary fits the engine's context (a prompt and one new token)
+        context = self.max_model_len or getattr(config, "max_position_embeddings", None) or 33
+        ids = canary_ids(config.vocab_size, max(2, min(32, context - 1)))
         expected = canary_logprobs(model, ids)
         got = self._worker.call("adapter", folder, version, ids)
         gap = max(abs(a - b) for a, b in zip(got, expected))
