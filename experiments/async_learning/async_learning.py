@@ -10,7 +10,8 @@ weights, cap 2; with K = 0 the same, vLLM being another sampler), for each K of 
 ``val/reward`` (``--val-rows`` held-out prompts, k = 4, sampled by vLLM from the current weights) before training
 and at the last step, the mean of ``train/mismatch/kl_k3`` over the run (how far the sampler was from pi_theta: the
 staleness plus vLLM's own kernels), the mean ``train/staleness`` and the run's wall time. ``--corrections`` names
-``model.correction`` settings (:data:`CORRECTIONS`): each K >= 1 runs with each, K = 0 with the first. Runs two at a
+``model.correction`` settings (:data:`CORRECTIONS`): each K >= 1 runs with each, K = 0 with the first; or LoRA
+policies synced as adapters or merged (``lora8-adapter lora8-merged``: every K with each). Runs two at a
 time at most (a new one starts when one ends), one thread each for the trainer and for the engine's child; before
 each start the script waits while the 1-minute load is above ``--max-load`` (at most ``--load-wait`` seconds). Prints
 one JSON object; ``--out`` writes it too.
@@ -32,7 +33,10 @@ from benchmarks.bench_common import emit_json
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = ["--model.generation_engine", "rloo_lightning.engines.vllm.VLLMEngine",
           "--model.generation_engine.threads", "1"]
-#: The corrections ``--corrections`` can name: ``model.correction`` options (docs/correction.md).
+_LORA = ["--model.policy.lora", '{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", '
+         '"o_proj", "gate_proj", "up_proj", "down_proj"]}', "--model.optimizer.init_args.lr", "1e-2"]
+#: The settings ``--corrections`` can name: ``model.correction`` options (docs/correction.md), and a LoRA policy (rank
+#: 8 on every projection, lr 1e-2) whose adapter is synced alone or merged (``lora_sync``; the default correction).
 CORRECTIONS = {
     "default": [],  # level auto: token TIS, cap 2
     "none": ["--model.correction.level", "none"],
@@ -40,6 +44,8 @@ CORRECTIONS = {
     "seq_tis2": ["--model.correction.level", "sequence", "--model.correction.cap", "2"],
     "topr": ["--model.correction.level", "topr"],
     "geometric2": ["--model.correction.level", "geometric", "--model.correction.cap", "2"],
+    "lora8-adapter": [*_LORA, "--model.generation_engine.lora_sync", "adapter"],
+    "lora8-merged": [*_LORA, "--model.generation_engine.lora_sync", "merged"],
 }
 
 
@@ -90,7 +96,8 @@ def main() -> None:
     parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--corrections", nargs="+", default=["default"], choices=sorted(CORRECTIONS),
-                        help="each K's runs with each of these corrections (K = 0 with the first alone)")
+                        help="each K's runs with each of these settings (K = 0 with the first alone, unless every one "
+                             "is a LoRA setting)")
     parser.add_argument("--val-rows", type=int, default=200)
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time")
     parser.add_argument("--max-load", type=float, default=0.7,
@@ -107,8 +114,9 @@ def main() -> None:
     reverse.build_tiny_model(model, num_heads=2)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                RLOO_LIGHTNING_CACHE=str(work / "cache"))
+    lora = all(name.startswith("lora") for name in args.corrections)  # LoRA runs: every setting at every K
     jobs = [(lag, name, seed) for seed in args.seeds for lag in args.lags
-            for name in (args.corrections if lag else args.corrections[:1])]
+            for name in (args.corrections if lag or lora else args.corrections[:1])]
     runs, running, started = {}, [], time.time()
 
     def finish(job) -> None:
