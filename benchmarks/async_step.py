@@ -465,6 +465,11 @@ def _configuration(engine: str, server: dict | None, trainer_threads: int, engin
     """One configuration's fit (a child), after the load has come down; its entry in the results."""
     split = f"{trainer_threads}:{engine_threads}"
     run_dir.mkdir()
+    if server and not _healthy(server["url"]):  # died in an earlier K's fit: no fit waits connect_timeout for it
+        log = Path(server["log"])
+        return {"engine": engine, "split": split, "trainer_threads": trainer_threads, "engine_threads": engine_threads,
+                "lag": lag, "error": "the vLLM server is down (it ended during an earlier configuration)",
+                "server_log_tail": log.read_text(errors="replace")[-3000:] if log.exists() else None}
     load = wait_for_quiet(args.max_load, args.load_wait)
     print(f"[async_step] {engine}, split {split}, K={lag}: {base['total_steps']} steps "
           f"(load {load['load1_at_start']})", file=sys.stderr)
@@ -480,6 +485,8 @@ def _configuration(engine: str, server: dict | None, trainer_threads: int, engin
         log = Path(result["log"])
         entry.update(error=result["error"], wall_s=_r(result.get("wall_s"), 1),
                      log_tail=log.read_text()[-3000:] if log.exists() else None)
+        if server and Path(server["log"]).exists():  # the server's side of a failure (an engine core's traceback)
+            entry["server_log_tail"] = Path(server["log"]).read_text(errors="replace")[-3000:]
     else:
         entry.update(_summary(result, args.warmup, args.steps, engine))
         print(f"[async_step]   {engine}: median step {entry['step_s']} s, push {entry['push_s']} s, wait "

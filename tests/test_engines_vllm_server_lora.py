@@ -1,8 +1,9 @@
 """VLLMServerEngine with a LoRA policy (``lora_sync: adapter``, the default) on stand-in vLLM servers that serve
-adapters as vLLM's does (``tests/helpers/standin_vllm_server.py``: runtime adapter loading, a base load or a restart
-dropping every adapter): the base once per server boot, then the adapter alone; rows and canary under the adapter's
-name; a restart reloads both before a row is sampled; a server without LoRA, or with too small a rank, refused at
-connect; an adapter that did not load caught by the canary. The same on real vLLM: ``test_engines_vllm_server.py``."""
+adapters as vLLM's does (``tests/helpers/standin_vllm_server.py``: runtime adapter loading, a restart forgetting
+every adapter, a base load keeping their names): the base once per server boot, then the adapter alone; rows and
+canary under the adapter's name; a restart reloads both before a row is sampled; a server without LoRA, or with too
+small a rank, refused at connect; an adapter that did not load caught by the canary; a second run on the same server
+uses names of its own and unloads the first run's. The same on real vLLM: ``test_engines_vllm_server.py``."""
 
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def test_the_base_goes_once_then_the_adapter_alone_and_rows_sample_with_it(lora_
         real = out != tok.pad_token_id
         assert (_logprobs(lora.eval(), ids, mask, out) - logp)[real].abs().max() < 1e-4
         assert engine.metrics()["train/weight_sync_mb"] == pytest.approx(adapter_mb, rel=1e-6)
-        assert list(lora_server.adapters) == [f"rloo-adapter-{seed + 1}"]  # the older name unloaded
+        assert list(lora_server.adapters) == [f"rloo-{engine._run}-adapter-{seed + 1}"]  # the older name unloaded
     assert first_mb > 10 * adapter_mb  # the first sync wrote the base as well
 
 
@@ -87,6 +88,34 @@ def test_a_restart_loads_the_base_and_the_adapter_again_before_a_row(lora_server
     kinds = _kinds(lora_server, start)
     assert kinds.index("rpc:rloo_load") < kinds.index("/v1/load_lora_adapter") < kinds.index("canary")
     assert kinds.index("canary") < kinds.index("row")
+
+
+def test_a_second_run_on_the_same_server_loads_its_own_adapters_not_the_first_runs(lora_server, engines, policy,
+                                                                                    tmp_path):
+    """vLLM keeps a run's last adapter name (and its folder's path) after the run; a later run that loaded an adapter
+    under the same name would be answered "already loaded", and its canary would make the engine load the first
+    run's folder, removed by then: the engine dies (vLLM 0.32). Names are the run's own, the leftovers unloaded."""
+    import shutil
+
+    lora, tok, config, ids, mask = _lora(policy)
+    first = engines(lora_server, sync_dir=str(tmp_path / "a"))
+    for seed in (1, 2):
+        _move(lora, seed)
+        first.on_weights_updated(lora)
+        first.generate(lora, tok, ids, mask, config, seed=3)
+    left, run = first._current.adapter, first._run
+    first.close()
+    shutil.rmtree(tmp_path / "a")  # the first run's folders gone with it
+    assert list(lora_server.adapters) == [left]  # still listed by the server
+    second = engines(lora_server, sync_dir=str(tmp_path / "b"), retries=0)
+    for seed in (3, 4, 5):
+        _move(lora, seed)
+        second.on_weights_updated(lora)
+        out, logp = second.generate(lora, tok, ids, mask, config, seed=3)
+        real = out != tok.pad_token_id
+        assert (_logprobs(lora.eval(), ids, mask, out) - logp)[real].abs().max() < 1e-4
+        assert list(lora_server.adapters) == [second._current.adapter] and not lora_server.engine_dead
+    assert left != second._current.adapter and run in left
 
 
 @pytest.mark.parametrize("rank, said", [(None, "server max_lora_rank None"), (4, "server max_lora_rank 4")])
@@ -117,7 +146,7 @@ def test_an_adapter_that_did_not_load_is_caught_by_the_canary(lora_server, engin
     lora_server.set(adapter_mode="ignore")  # answers success, samples with the base
     with pytest.raises(Exception) as err:
         engine.generate(lora, tok, ids, mask, config, seed=3)
-    assert "adapter rloo-adapter-1 on its base" in one_line(err) and lora_server.url in one_line(err)
+    assert f"adapter rloo-{engine._run}-adapter-1 on its base" in one_line(err) and lora_server.url in one_line(err)
 
 
 def test_a_server_that_cannot_load_adapters_at_runtime_is_named(lora_server, engines, policy, monkeypatch):

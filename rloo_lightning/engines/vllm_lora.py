@@ -90,9 +90,11 @@ def adapter_tensors(model) -> dict[str, Tensor]:
     return out
 
 
-def adapter_name(version: int) -> str:
-    """The name an adapter version is loaded under (new at every sync: see the module docstring)."""
-    return f"rloo-adapter-{version}"
+def adapter_name(version: int, run: str = "") -> str:
+    """The name an adapter version is loaded under: new at every sync (see the module docstring) and, on a server
+    that outlives a run, new for every run (``run``: another run's name left in the server's registry would answer
+    "already loaded" for an adapter whose folder may be gone)."""
+    return f"rloo-{run}-adapter-{version}" if run else f"rloo-adapter-{version}"
 
 
 def write_adapter_folder(folder: str, model, tensors: dict[str, Tensor]) -> int:

@@ -5,9 +5,10 @@ policy under ``lora_sync: adapter``, the base once per server boot and the adapt
 An adapter sync: every rank gathers the adapter (and, at a run's first sync, the base); rank 0 writes the base into a
 folder of its own once (``<run>-base-sync000000``) and the adapter of each sync into a new folder
 (``<run>-sync<id>``, PEFT's format); for each server, the base is loaded (``rloo_load``, behind ``/pause``) when the
-server does not hold it (the first sync, a restart: vLLM drops every adapter when its base reloads), then the adapter
-under a new name (``/v1/load_lora_adapter``: no pause, the requests on the previous adapter go on), the previous
-name unloaded, and the canary sent with the new name: the base and the adapter are verified together, at every sync.
+server does not hold it (the first sync, a restart), every adapter the server lists then unloaded (vLLM's engine
+drops them when its base reloads, its registry keeps their names), then the adapter under a name new to the run and
+the sync (``/v1/load_lora_adapter``: no pause, the requests on the previous adapter go on), the previous name
+unloaded, and the canary sent with the new name: the base and the adapter are verified together, at every sync.
 """
 
 from __future__ import annotations
@@ -97,8 +98,8 @@ class ServerWeightSync:
                 self._base = Published(folder, base_tag, 0, len(base), size)
             folder = sync_folder(root, self._run, sync_id)
             written = write_adapter_folder(folder, model, tensors) + (size if base is not None else 0)
-            self._current = Published(folder, tag, sync_id, len(tensors), written, adapter=adapter_name(sync_id),
-                                      base=self._base)
+            self._current = Published(folder, tag, sync_id, len(tensors), written,
+                                      adapter=adapter_name(sync_id, self._run), base=self._base)
         self._canary = canary
         cancelled = threading.Event()
         stop = stopper(cancelled)
@@ -125,7 +126,7 @@ class ServerWeightSync:
             seconds = 0.0
             if server.rpc("rloo_state", timeout=self.request_timeout).split(":", 1)[1] != sync.base.tag:
                 seconds += self._load_folder(server, sync.base, paused)
-                server.adapters = []  # a base load drops every adapter
+                drop_adapters(server, self.request_timeout)
             start = time.perf_counter()
             load_adapter(server, sync, self.request_timeout)
             seconds += time.perf_counter() - start
@@ -188,6 +189,19 @@ class ServerWeightSync:
             return self._canary.ids
         limit = min(server.max_model_len or self.canary_tokens + 1 for server in self._servers)
         return canary_ids(base_model(model).config.vocab_size, max(2, min(self.canary_tokens, limit - 1)))
+
+
+def drop_adapters(server: ServerClient, timeout: float) -> None:
+    """Unload every adapter ``server`` lists, after a base load: vLLM's engine drops them then but its registry keeps
+    their names and folders, and loads one again from its folder when a request names it (another run's folder,
+    removed since, kills the engine: vLLM 0.32)."""
+    listed = server.call("/v1/models", timeout=timeout)["data"]
+    for name in [entry["id"] for entry in listed if entry.get("parent")]:
+        try:
+            server.call("/v1/unload_lora_adapter", {"lora_name": name}, timeout=timeout, watch="health")
+        except ServerRefused:  # gone meanwhile: nothing to unload
+            pass
+    server.adapters = []
 
 
 def load_adapter(server: ServerClient, sync: Published, timeout: float) -> None:

@@ -19,8 +19,9 @@ vLLM 0.32 with ``rloo-lightning serve``'s worker extension and key guard answers
 * with ``lora_rank`` set (``rloo-lightning serve --lora-rank``: LoRA on, runtime adapter loading on),
   ``POST /v1/load_lora_adapter`` (a PEFT folder, merged into a copy of the base for its completions; a name loaded
   already: 400; a rank over ``lora_rank``: 500) and ``POST /v1/unload_lora_adapter``, a completion's ``model``
-  naming an adapter, and ``rloo_describe``'s ``max_lora_rank``; a base load (``rloo_load``) or a restart drops every
-  adapter, as vLLM's;
+  naming an adapter, ``/v1/models`` listing the adapters, and ``rloo_describe``'s ``max_lora_rank``; as vLLM's, a
+  restart forgets every adapter, and a base load (``rloo_load``) keeps their names and loads an adapter from its
+  folder again at its next completion: a folder gone by then kills the engine (500, ``/health`` 503);
 * every path but ``GET /health`` behind ``Authorization: Bearer <key>`` (401 otherwise).
 
 It is honest: it holds a real transformers causal LM built from the model folder's config (dummy weights, seeded by
@@ -181,7 +182,13 @@ class StandinVLLM:
         self.lora_rank = lora_rank  # None: LoRA off (no adapter routes, as vLLM without --enable-lora)
         #: "ok"; "ignore": an adapter load answers success and keeps nothing (completions under its name use the base)
         self.adapter_mode = "ok"
-        self.adapters: dict = {}  # name -> the base with the adapter merged in
+        #: vLLM's two halves: the API server's registry (name -> folder: what /v1/models lists) and the engine's cache
+        #: (name -> the base with the adapter merged in). A base load empties the cache and keeps the registry; a
+        #: completion under a name not cached loads it from its folder again, and a folder gone then kills the
+        #: engine (every later request 500, /health 503), as vLLM 0.32's EngineCore does.
+        self.adapters: dict[str, str] = {}
+        self._merged: dict = {}
+        self.engine_dead = False
         self.frozen: str | None = None  # None, or what /health does while frozen: "silent" or "200"
         self.draining: str | None = None  # None, "refused" or "503"
         self.paused: str | None = None  # None or the mode of the last /pause
@@ -247,7 +254,7 @@ class StandinVLLM:
                 torch.manual_seed(1000 + self.boots)
                 model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
         self.model = model.eval()
-        self.adapters = {}
+        self.adapters, self._merged, self.engine_dead = {}, {}, False
 
     def restart(self) -> None:
         """A new boot: the loaded weights lost (dummy weights again, version ""), not paused, every request in flight
@@ -474,7 +481,7 @@ class StandinVLLM:
                 return 503, None
             self._hold(flight, "draining")  # raises: silent
         if path == "/health" and method == "GET":
-            return 200, None
+            return (503 if self.engine_dead else 200), None
         given = handler.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
         if scheme.lower() != "bearer" or token != self.key:
@@ -503,7 +510,9 @@ class StandinVLLM:
             return 200, {"version": self.vllm_version}
         if path == "/v1/models" and method == "GET":
             return 200, {"object": "list", "data": [{"id": self.served_name, "object": "model", "owned_by": "vllm",
-                                                     "root": self.model_dir, "max_model_len": self.max_model_len}]}
+                                                     "root": self.model_dir, "max_model_len": self.max_model_len}] + [
+                {"id": name, "object": "model", "owned_by": "vllm", "root": folder, "parent": self.served_name}
+                for name, folder in self.adapters.items()]}
         if path == "/v1/completions" and method == "POST":
             return self._completion(body, flight)
         if path == "/metrics" and method == "GET":
@@ -591,7 +600,7 @@ class StandinVLLM:
         counted = {"tensors": 0, "bytes": 0}
         with self._model_lock:
             self.version = ""  # a load that fails half-way leaves no version the trainer would trust
-            self.adapters = {}  # as vLLM's reload_weights: every adapter dropped
+            self._merged = {}  # as vLLM's reload_weights: the engine drops every adapter (the registry keeps them)
             params = dict(self.model.named_parameters(remove_duplicate=False))
             params.update(self.model.named_buffers(remove_duplicate=False))
             with self._torch.no_grad():
@@ -615,10 +624,9 @@ class StandinVLLM:
 
     def _adapter(self, path: str, body: dict) -> tuple[int, object]:
         """``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``, with vLLM's answers."""
-        import copy
-
         name = str(body.get("lora_name"))
         if path.endswith("unload_lora_adapter"):
+            self._merged.pop(name, None)
             if self.adapters.pop(name, None) is None:
                 return 404, {"error": {"message": f"The lora adapter '{name}' cannot be found.", "code": 404}}
             return 200, f"Success: LoRA adapter '{name}' removed successfully."
@@ -629,17 +637,25 @@ class StandinVLLM:
         if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
             return 404, {"error": {"message": f"Loading lora {name} failed: No adapter found for {folder}",
                                    "type": "NotFoundError", "code": 404}}
-        import peft
-
         rank = json.load(open(os.path.join(folder, "adapter_config.json")))["r"]
         if rank > self.lora_rank:
             return 500, {"error": {"message": f"LoRA rank {rank} is greater than max_lora_rank {self.lora_rank}.",
                                    "code": 500}}
         with self._model_lock:
-            base = copy.deepcopy(self.model)
-            merged = base if self.adapter_mode == "ignore" else peft.PeftModel.from_pretrained(base, folder)
-            self.adapters[name] = (merged if self.adapter_mode == "ignore" else merged.merge_and_unload()).eval()
+            self.adapters[name] = folder
+            self._merged[name] = self._merge(folder)
         return 200, f"Success: LoRA adapter '{name}' added successfully."
+
+    def _merge(self, folder: str):
+        """The base with the adapter of ``folder`` merged in (``adapter_mode`` "ignore": the base)."""
+        import copy
+
+        import peft
+
+        base = copy.deepcopy(self.model)
+        if self.adapter_mode == "ignore":
+            return base.eval()
+        return peft.PeftModel.from_pretrained(base, folder).merge_and_unload().eval()
 
     # -- completions --------------------------------------------------------------------------------------------
     def _aborted(self, body: dict | None) -> dict:
@@ -650,6 +666,9 @@ class StandinVLLM:
 
     def _completion(self, body: dict, flight: _InFlight) -> tuple[int, object]:
         torch = self._torch
+        if self.engine_dead:
+            return 500, {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the root "
+                                              "cause.", "type": "InternalServerError", "code": 500}}
         if body.get("model") != self.served_name and body.get("model") not in self.adapters:
             return 404, {"error": {"message": f"The model `{body.get('model')}` does not exist.",
                                    "type": "NotFoundError", "code": 404}}
@@ -684,7 +703,14 @@ class StandinVLLM:
         ids, out, logps, finish = list(prompt), [], [], "length"
         prompt_logprobs = None
         with self._model_lock, torch.no_grad():
-            model = self.adapters.get(body.get("model"), self.model)
+            name = body.get("model")
+            if name in self.adapters and name not in self._merged:  # evicted by a base load: loaded from its folder
+                if not os.path.isfile(os.path.join(self.adapters[name], "adapter_config.json")):
+                    self.engine_dead = True
+                    return 500, {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for "
+                                                      "the root cause.", "type": "InternalServerError", "code": 500}}
+                self._merged[name] = self._merge(self.adapters[name])
+            model = self._merged.get(name, self.model)
             if body.get("prompt_logprobs") is not None:
                 x = torch.tensor([prompt])
                 logits = model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False).logits[0].float()
