@@ -34,9 +34,9 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINE = ["--model.generation_engine", "rloo_lightning.engines.vllm.VLLMEngine",
           "--model.generation_engine.threads", "1"]
 _LORA = ["--model.policy.lora", '{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", '
-         '"o_proj", "gate_proj", "up_proj", "down_proj"]}', "--model.optimizer.init_args.lr", "1e-2"]
+         '"o_proj", "gate_proj", "up_proj", "down_proj"]}', "--model.optimizer.init_args.lr", "3e-3"]
 #: The settings ``--corrections`` can name: ``model.correction`` options (docs/correction.md), and a LoRA policy (rank
-#: 8 on every projection, lr 1e-2) whose adapter is synced alone or merged (``lora_sync``; the default correction).
+#: 8 on every projection, lr 3e-3) whose adapter is synced alone or merged (``lora_sync``; the default correction).
 CORRECTIONS = {
     "default": [],  # level auto: token TIS, cap 2
     "none": ["--model.correction.level", "none"],
