@@ -6,7 +6,8 @@ EOS, exact by enumeration) each correction of ``model.correction`` is drawn on t
 (``perturbed_table``, seed 1) or that samples at another temperature (``--sampler-temperatures``),
 at lag 1 or 2 through the pipeline with the policy moved by the same perturbation between
 the step that sampled and the step that trains (at lag 2 the rollout is the one step 0 sampled two steps ahead, and
-step 2 trains on it: the same distance, through the pipeline's K = 2 positions and seeds). Every correction of a cell sees the same samples (seed 0).
+step 2 trains on it: the same distance, through the pipeline's K = 2 positions and seeds). Every correction of a
+cell sees the same samples (seed 0).
 
     python -m experiments.offpolicy_family.measure --lags 0 --scales 0.1 0.3 0.5     # one record per (lag, scale)
     python -m experiments.offpolicy_family.measure --lags 0 --sampler-temperatures 0.8  # sampling at 0.8, not 0.7
