@@ -188,6 +188,32 @@ def test_two_rank_fits_under_ddp_and_fsdp2(tmp_path, h32_model_dir, strategy):
 
 
 @vllm_test
+def test_a_lora_policy_synced_as_adapters_resumes_after_a_sigterm_bit_identically(tmp_path, h32_model_dir):
+    """A LoRA policy under ``lora_sync: adapter`` (the default): a SIGTERM inside step 3's generation keeps step 2;
+    the resumed run, a new child loading the base and then the checkpoint's adapter, ends with the uninterrupted
+    run's weights, bit for bit."""
+    from cli_harness import make_env, start_cli, wait_all
+
+    env = make_env(tmp_path / "cache", STOP_LOG=str(tmp_path / "events"))
+    a, c = tmp_path / "a", tmp_path / "c"
+    whole = start_cli("a", _fit(a, h32_model_dir, 4, *ENGINE, *LORA), a, env)
+    stopped = start_cli("c", _fit(c, h32_model_dir, 4, "--model.generation_engine", "stop_helpers.SignallingVLLMEngine",
+                                  "--model.generation_engine.at_call", "2", *LORA), c, env)
+    wait_all(whole, stopped)
+    whole.check()
+    assert stopped.rc == 143, stopped.explain()
+    last_c = c / "lightning_logs/version_0/checkpoints/last.ckpt"
+    assert _ckpt(last_c)["global_step"] == 2
+    resumed = start_cli("c2", _fit(c, h32_model_dir, 4, *ENGINE, *LORA, "--ckpt_path", last_c), c, env)
+    wait_all(resumed)
+    resumed.check()
+    end_a = _policy(_ckpt(a / "lightning_logs/version_0/checkpoints/last.ckpt"))
+    end_c = _policy(_ckpt(c / "lightning_logs/version_1/checkpoints/last.ckpt"))
+    assert any("lora_A" in k for k in end_a) and end_a.keys() == end_c.keys()
+    assert [k for k, v in end_a.items() if not torch.equal(v, end_c[k])] == []
+
+
+@vllm_test
 def test_multi_turn_episodes_through_vllm(tmp_path):
     from cli_harness import make_env, run_cli
     from rloo_lightning.runtime.tensorboard_logs import read_scalars
