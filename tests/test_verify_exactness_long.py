@@ -4,7 +4,8 @@ study that measures every correction of ``model.correction`` on it (``experiment
 The toy's enumeration is the whole distribution and its lengths are long enough to matter; on the module's own
 step with a sampler that is not pi_theta, uncapped sequence weights are unbiased, no correction is detected as biased
 (the test of the test), and so are the geometric weight (an estimator that is not an importance weight) and TOPR; the
-study's script runs at 2 draws and writes the record its table reads.
+study's script runs at 2 draws and writes the record its table reads; the truncation study's top-p / top-k mask is
+the one hand-worked, its truncated target equals the full one when nothing is dropped, and its script runs.
 """
 
 from __future__ import annotations
@@ -75,3 +76,34 @@ def test_the_study_runs_at_two_draws(tmp_path):
     assert json.loads((tmp_path / "lag0_temperature0.8.json").read_text())["sequence_kl_sampler_to_policy"] > 0
     study.main(["--distances", "--out", str(tmp_path)])
     assert len(study.main(["--table", "--out", str(tmp_path)])) == 3
+
+
+def test_truncation_keeps_the_tokens_top_p_and_top_k_keep():
+    """Hand-worked: probabilities (0.5, 0.3, 0.2) in order, and permuted; top-p keeps a token while the mass ranked
+    above it is below p (0.75 keeps two, 0.85 all three), top-k the k most likely."""
+    from types import SimpleNamespace
+
+    study = load_script("experiments/offpolicy_family/truncation.py")
+    table = torch.tensor([[0.5, 0.3, 0.2], [0.2, 0.5, 0.3]], dtype=torch.float64).log()
+    toy = SimpleNamespace(policy_table=table, temperature=1.0)
+    kept = lambda **kw: (study.truncation_mask(toy, **kw) == 0).tolist()  # noqa: E731
+    assert kept(top_p=0.75) == [[True, True, False], [False, True, True]]
+    assert kept(top_p=0.85) == [[True, True, True], [True, True, True]]
+    assert kept(top_k=1) == [[True, False, False], [False, True, False]]
+    assert kept(top_p=0.85, top_k=2) == [[True, True, False], [False, True, True]]
+
+
+def test_the_truncated_target_is_the_full_one_when_nothing_is_dropped_and_the_script_runs(toy, tmp_path):
+    study = load_script("experiments/offpolicy_family/truncation.py")
+    from rloo_lightning.verify.exactness import exact_gradient
+
+    nothing = study.truncation_mask(toy, top_p=1.0)
+    assert (nothing == 0).all()
+    assert torch.allclose(study.truncated_gradient(toy, nothing, 0.1), exact_gradient(toy, 0.1))
+    some = study.truncation_mask(toy, top_k=2)
+    assert not torch.allclose(study.truncated_gradient(toy, some, 0.1), exact_gradient(toy, 0.1))
+    study.main(["--draws", "2", "--top-p", "0.9", "--top-k", "--max-len", "4", "--corrections", "none",
+                "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "truncation_top_p0.9.json").read_text())
+    assert 0 < record["policy_mass_never_drawn"] < 1 and set(record["corrections"]["none"]) >= {"full", "truncated"}
+    assert len(study.main(["--table", "--out", str(tmp_path)])) == 1
