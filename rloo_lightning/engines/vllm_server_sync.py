@@ -196,12 +196,17 @@ def drop_adapters(server: ServerClient, timeout: float) -> None:
     their names and folders, and loads one again from its folder when a request names it (another run's folder,
     removed since, kills the engine: vLLM 0.32)."""
     listed = server.call("/v1/models", timeout=timeout)["data"]
-    for name in [entry["id"] for entry in listed if entry.get("parent")]:
+    _unload(server, [entry["id"] for entry in listed if entry.get("parent")], timeout)
+    server.adapters = []
+
+
+def _unload(server: ServerClient, names: list[str], timeout: float) -> None:
+    """``/v1/unload_lora_adapter`` for each of ``names``; one the server no longer holds (a restart) is skipped."""
+    for name in names:
         try:
             server.call("/v1/unload_lora_adapter", {"lora_name": name}, timeout=timeout, watch="health")
-        except ServerRefused:  # gone meanwhile: nothing to unload
+        except ServerRefused:  # not there any more: nothing to unload
             pass
-    server.adapters = []
 
 
 def load_adapter(server: ServerClient, sync: Published, timeout: float) -> None:
@@ -218,9 +223,5 @@ def load_adapter(server: ServerClient, sync: Published, timeout: float) -> None:
                     and "does not exist" not in err.text else "")
             raise ServerFailed(f"VLLMServerEngine: {server.url} failed to load the adapter of weight sync {sync.tag} "
                                f"from {sync.folder}: {err}{hint}") from None
-    for old in [name for name in getattr(server, "adapters", []) if name != sync.adapter]:
-        try:
-            server.call("/v1/unload_lora_adapter", {"lora_name": old}, timeout=timeout, watch="health")
-        except ServerRefused:  # not there any more (a restart): nothing to unload
-            pass
+    _unload(server, [name for name in getattr(server, "adapters", []) if name != sync.adapter], timeout)
     server.adapters = [sync.adapter]
