@@ -302,7 +302,7 @@ def _server(model: str, gguf_file: str | None, dtype: str, threads: int, work: P
             if proc.poll() is not None or time.monotonic() > deadline:
                 why = f"exited (rc={proc.returncode})" if proc.poll() is not None else f"not up within {timeout:g} s"
                 _stop_server(proc)
-                tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
+                tail = _tail(log_path) or ""
                 raise RuntimeError(f"the vLLM server ({shlex.join(cmd)}) {why}; the end of {log_path}:\n{tail}")
             time.sleep(0.5)
         yield {"url": url, "start_s": time.perf_counter() - start, "log": str(log_path)}
@@ -466,10 +466,9 @@ def _configuration(engine: str, server: dict | None, trainer_threads: int, engin
     split = f"{trainer_threads}:{engine_threads}"
     run_dir.mkdir()
     if server and not _healthy(server["url"]):  # died in an earlier K's fit: no fit waits connect_timeout for it
-        log = Path(server["log"])
         return {"engine": engine, "split": split, "trainer_threads": trainer_threads, "engine_threads": engine_threads,
                 "lag": lag, "error": "the vLLM server is down (it ended during an earlier configuration)",
-                "server_log_tail": log.read_text(errors="replace")[-3000:] if log.exists() else None}
+                "server_log_tail": _tail(Path(server["log"]))}
     load = wait_for_quiet(args.max_load, args.load_wait)
     print(f"[async_step] {engine}, split {split}, K={lag}: {base['total_steps']} steps "
           f"(load {load['load1_at_start']})", file=sys.stderr)
@@ -482,16 +481,19 @@ def _configuration(engine: str, server: dict | None, trainer_threads: int, engin
     if server:
         entry["server_start_s"] = _r(server["start_s"], 1)
     if "error" in result:
-        log = Path(result["log"])
-        entry.update(error=result["error"], wall_s=_r(result.get("wall_s"), 1),
-                     log_tail=log.read_text()[-3000:] if log.exists() else None)
+        entry.update(error=result["error"], wall_s=_r(result.get("wall_s"), 1), log_tail=_tail(Path(result["log"])))
         if server and Path(server["log"]).exists():  # the server's side of a failure (an engine core's traceback)
-            entry["server_log_tail"] = Path(server["log"]).read_text(errors="replace")[-3000:]
+            entry["server_log_tail"] = _tail(Path(server["log"]))
     else:
         entry.update(_summary(result, args.warmup, args.steps, engine))
         print(f"[async_step]   {engine}: median step {entry['step_s']} s, push {entry['push_s']} s, wait "
               f"{entry['rollout_wait_s']} s, engine idle {entry['engine_idle_s']} s", file=sys.stderr)
     return entry
+
+
+def _tail(path: Path) -> str | None:
+    """The last 3000 characters of a log, None when it was never written."""
+    return path.read_text(errors="replace")[-3000:] if path.exists() else None
 
 
 def _emit(results: dict, out: str | None) -> None:
