@@ -28,7 +28,7 @@ import torch
 from experiments.async_exactness.measure import mismatch
 from rloo_lightning.verify.exactness import perturbed_table
 from rloo_lightning.verify.exactness_long import (
-    bias_and_variance, make_long_toy, mass_outside, mean_lengths, off_policy_draws,
+    bias_and_variance, make_long_toy, mass_outside, mean_lengths, off_policy_sample, off_policy_target,
 )
 
 RECORDS = Path(__file__).with_name("records")
@@ -87,11 +87,11 @@ def cell(toy, lag: int, scale: float, temperature: float | None, names: list[str
     """One (lag, scale or sampler temperature): the exact distance between sampler and policy, then each correction's
     bias and variance."""
     other = other_table(toy, scale, temperature)
+    exact = off_policy_target(toy, other, lag, BETA)  # one target for every correction of the cell
     results = {}
     for name in names:
         start = time.perf_counter()
-        sample, exact = off_policy_draws(toy, other, lag, draws, {"correction": CORRECTIONS[name]}, repeats, seed,
-                                         BETA)
+        sample = off_policy_sample(toy, other, lag, draws, {"correction": CORRECTIONS[name]}, repeats, seed)
         results[name] = {**bias_and_variance(sample, exact, alpha), "seconds": round(time.perf_counter() - start, 1)}
     return {"lag": lag, "scale": scale, "sampler_temperature": temperature, **distance(toy, lag, other),
             "draws": draws, "repeats": repeats, "k": 4, "beta": BETA, "prompts": len(toy.prompts),
@@ -124,6 +124,26 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def records_in(folder: Path, pattern: str) -> list[dict]:
+    """The records of ``folder`` whose names match ``pattern``, in name order."""
+    return [json.loads(p.read_text()) for p in sorted(folder.glob(pattern))]
+
+
+def drawing_toy(max_len: int, out: Path):
+    """The toy, set up for drawing: one thread (the tensors are tiny), the module's ``self.log`` warnings off (no
+    trainer), the records' folder made."""
+    warnings.filterwarnings("ignore", message=".*self.log.*")
+    torch.set_num_threads(1)
+    out.mkdir(parents=True, exist_ok=True)
+    return make_long_toy(max_len=max_len)
+
+
+def stamped(rec: dict, start: float) -> dict:
+    """``rec`` with its wall time since ``start`` and the torch that drew it."""
+    rec.update(wall_s=round(time.perf_counter() - start, 1), torch=torch.__version__, torch_threads=1)
+    return rec
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lags", type=int, nargs="+", default=[0, 1], choices=[0, 1, 2])
@@ -145,28 +165,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.sampler_temperatures and args.lags != [0]:
         parser.error("--sampler-temperatures is a sampler that is not pi_theta: --lags 0 only")
     if args.distances:
-        records = [json.loads(p.read_text()) for p in sorted(args.out.glob("lag*_*.json"))]
+        records = records_in(args.out, "lag*_*.json")
         for rec in records:
             toy, temperature = make_long_toy(max_len=rec["max_len"]), rec.get("sampler_temperature")
             rec.update(distance(toy, rec["lag"], other_table(toy, rec["scale"], temperature)))
             (args.out / record_name(rec["lag"], rec["scale"], temperature)).write_text(json.dumps(rec, indent=1) + "\n")
         return records
     if args.table:
-        records = [json.loads(p.read_text()) for p in sorted(args.out.glob("lag*_*.json"))]
+        records = records_in(args.out, "lag*_*.json")
         print(table(records))
         return records
-    warnings.filterwarnings("ignore", message=".*self.log.*")
-    torch.set_num_threads(1)
-    toy = make_long_toy(max_len=args.max_len)
-    args.out.mkdir(parents=True, exist_ok=True)
+    toy = drawing_toy(args.max_len, args.out)
     records = []
     cells = [(0.0, t) for t in args.sampler_temperatures] if args.sampler_temperatures else \
         [(scale, None) for scale in args.scales]
     for lag in args.lags:
         for scale, temperature in cells:
             start = time.perf_counter()
-            rec = cell(toy, lag, scale, temperature, args.corrections, args.draws, args.repeats, args.seed, args.alpha)
-            rec.update(wall_s=round(time.perf_counter() - start, 1), torch=torch.__version__, torch_threads=1)
+            rec = stamped(cell(toy, lag, scale, temperature, args.corrections, args.draws, args.repeats, args.seed,
+                               args.alpha), start)
             path = args.out / record_name(lag, scale, temperature)
             rec = merged(json.loads(path.read_text()), rec) if path.exists() else rec
             path.write_text(json.dumps(rec, indent=1) + "\n")

@@ -27,7 +27,8 @@ from rloo_lightning.verify.exactness import (
 )
 from rloo_lightning.verify.exactness_stale import stale_training_step_draws
 
-__all__ = ["make_long_toy", "mean_lengths", "mass_outside", "off_policy_draws", "bias_and_variance"]
+__all__ = ["make_long_toy", "mean_lengths", "mass_outside", "off_policy_draws", "off_policy_sample",
+           "off_policy_target", "bias_and_variance"]
 
 
 def make_long_toy(max_len: int = 8, eos_bias: float = -1.0, seed: int = 0, **kwargs) -> Toy:
@@ -73,11 +74,23 @@ def off_policy_draws(toy: Toy, other_table: Tensor, lag: int, num_draws: int, op
     the target is ``grad J`` there. ``lag`` K >= 1: the pipeline samples at step 0 from the toy's table, step K trains
     with the policy at ``other_table``, the target is ``grad J`` at ``other_table``. ``options``: the module's option
     groups (``{"correction": {...}}``); every option is drawn from the same sampler stream (``seed``)."""
+    return (off_policy_sample(toy, other_table, lag, num_draws, options, repeats, seed),
+            off_policy_target(toy, other_table, lag, beta))
+
+
+def off_policy_sample(toy: Toy, other_table: Tensor, lag: int, num_draws: int, options: dict | None = None,
+                      repeats: int = 16, seed: int = 0) -> Tensor:
+    """``[n, D]``: the draws of :func:`off_policy_draws` alone (a study drawing several options against one target
+    computes the target once: :func:`off_policy_target`)."""
     if lag == 0:
-        draws = training_step_draws(toy, num_draws, repeats, options, seed, sampler_table=other_table)
-        return draws, exact_gradient(toy, beta)
-    draws = stale_training_step_draws(toy, other_table, num_draws, repeats, options, seed, lag)
-    return draws, exact_gradient(dataclasses.replace(toy, policy_table=other_table), beta)
+        return training_step_draws(toy, num_draws, repeats, options, seed, sampler_table=other_table)
+    return stale_training_step_draws(toy, other_table, num_draws, repeats, options, seed, lag)
+
+
+def off_policy_target(toy: Toy, other_table: Tensor, lag: int, beta: float = 0.1) -> Tensor:
+    """``[D]``: the exact ``grad J`` the draws of :func:`off_policy_draws` estimate (at the toy's table at lag 0, at
+    ``other_table`` at lag K >= 1)."""
+    return exact_gradient(toy if lag == 0 else dataclasses.replace(toy, policy_table=other_table), beta)
 
 
 def bias_and_variance(draws: Tensor, exact: Tensor, alpha: float = 1e-3) -> dict:
