@@ -34,7 +34,7 @@ import rloo_lightning
 STUDY = REPO / "experiments" / "quickstart_trajectory"
 SCRIPT = STUDY / "quickstart_trajectory.py"
 README = STUDY / "README.md"  # the study's: the table
-BASELINE = STUDY / "quickstart_trajectory_intel_avx512.json"
+BASELINE = STUDY / "quickstart_trajectory_amd_avx512.json"
 QUOTED = [REPO / "README.md", REPO / "docs" / "results.md"]  # quote the first and last val/reward
 
 
