@@ -71,6 +71,11 @@ VLLM_VERSION = "0.32.0"
 CONTROL = ("fail_next", "restart", "freeze", "thaw", "drain", "release", "refuse_key", "set", "kill", "come_back")
 
 
+#: What vLLM 0.32 answers every request once its engine core has died.
+ENGINE_DEAD = {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+                         "type": "InternalServerError", "code": 500}}
+
+
 @dataclass
 class Fault:
     """The next ``count`` requests of kind ``on`` (see :meth:`StandinVLLM.kind`; "any" matches all) fail ``how``:
@@ -667,8 +672,7 @@ class StandinVLLM:
     def _completion(self, body: dict, flight: _InFlight) -> tuple[int, object]:
         torch = self._torch
         if self.engine_dead:
-            return 500, {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the root "
-                                              "cause.", "type": "InternalServerError", "code": 500}}
+            return 500, ENGINE_DEAD
         if body.get("model") != self.served_name and body.get("model") not in self.adapters:
             return 404, {"error": {"message": f"The model `{body.get('model')}` does not exist.",
                                    "type": "NotFoundError", "code": 404}}
@@ -707,8 +711,7 @@ class StandinVLLM:
             if name in self.adapters and name not in self._merged:  # evicted by a base load: loaded from its folder
                 if not os.path.isfile(os.path.join(self.adapters[name], "adapter_config.json")):
                     self.engine_dead = True
-                    return 500, {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for "
-                                                      "the root cause.", "type": "InternalServerError", "code": 500}}
+                    return 500, ENGINE_DEAD
                 self._merged[name] = self._merge(self.adapters[name])
             model = self._merged.get(name, self.model)
             if body.get("prompt_logprobs") is not None:
