@@ -364,11 +364,12 @@ class RLOOModule(PolicyModule):
         self.grad_stash.inject(self.policy)  # the earlier micro-batches' gradients join the last one's
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        # The step's end: nothing in flight between steps (a checkpoint holds whole rollouts ahead; pipeline.py).
-        # Before the update, and agreed by every rank: an engine failing here ends every rank with the step before.
+        # The step's end: the rollouts in flight collected, unless the engine keeps each version's weights while its
+        # requests run (pipeline.py). Before the update, and agreed by every rank: an engine failing here ends every
+        # rank with the step before.
         if self.pipeline is not None:
             with self.ranks_agree("collecting the rollouts ahead", signals=False):
-                self.pipeline.drain()
+                self.pipeline.step_end(self.engine.keeps_versions)
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
         if grads and not self.guard.finite(self.reduce_across_ranks, *grads):
             self._on_nonfinite("gradient")
@@ -388,9 +389,10 @@ class RLOOModule(PolicyModule):
             self.engine.on_weights_updated(self.policy)
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def checkpoint_entries(self) -> dict:
+    def checkpoint_entries(self, step_end: bool = False) -> dict:
         """This module's own checkpoint entries (``rloo_*``), as a checkpoint written now holds them; FinalCheckpoint
-        keeps them at each step's end, for a stop that abandons the next step (callbacks/checkpoint.py)."""
+        keeps them at each step's end (``step_end``: the rollouts ahead may then be a deferred entry, collected when
+        that checkpoint is written), for a stop that abandons the next step (callbacks/checkpoint.py)."""
         entries = {"rloo_skipped_steps": self.guard.skipped_steps}
         if self.advantage_estimator.moving_average is not None:
             entries["rloo_moving_average"] = self.advantage_estimator.state_dict()
@@ -399,7 +401,9 @@ class RLOOModule(PolicyModule):
         if self.ref is not None and (state := self.ref.state_dict()) is not None:
             entries["rloo_reference"] = state  # kl.ref_sync_steps: it moves, keep it
         if self.pipeline is not None:  # the K rollouts ahead; each rank's own (its own prompts)
-            entries["rloo_pipeline"] = self.pipeline.checkpoint_entry(self.gather_across_ranks)
+            entries["rloo_pipeline"] = (
+                self.pipeline.step_end_entry(self.gather_across_ranks, self.engine.keeps_versions) if step_end
+                else self.pipeline.checkpoint_entry(self.gather_across_ranks))
         return entries
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

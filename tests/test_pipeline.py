@@ -20,6 +20,7 @@ from rloo_lightning.data import PromptDataModule
 from rloo_lightning.data.sampling import ResumableSampler
 from rloo_lightning.engines import DecodeLoopEngine, GenerationEngine
 from rloo_lightning.pipeline import RolloutPipeline
+from stop_helpers import HeldEngine
 
 REWARD = "rloo_lightning.tasks.reverse.reward"
 
@@ -260,12 +261,16 @@ class InFlight(Callback):
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])
-def test_nothing_is_in_flight_between_steps_with_or_without_checkpoint_callbacks(tiny_model_dir, tmp_path,
-                                                                                  checkpointing):
-    # The drain at a step's end is the module's own (its optimizer step), not a side effect of a checkpoint callback
-    # building the module's checkpoint entries.
+@pytest.mark.parametrize("held", [False, True])
+def test_what_is_in_flight_between_steps_is_the_engines_choice_with_or_without_checkpoint_callbacks(
+        tiny_model_dir, tmp_path, checkpointing, held):
+    # The collection at a step's end is the module's own (its optimizer step), not a side effect of a checkpoint
+    # callback building the module's checkpoint entries: every rollout ahead with an engine whose sync waits for its
+    # requests; none with one that keeps each version (held), whose rollouts stay in flight until taken, K - 1 steps
+    # later, and which a checkpoint collects first.
+    engine = HeldEngine(return_logprobs=True, held=held)
     module = RLOOModule(tiny_model_dir, rewards={"funcs": [REWARD]}, sampling={"k": 2, "max_new_tokens": 6},
-                        rollout={"lag": 2})
+                        rollout={"lag": 2}, generation_engine=engine)
     data = PromptDataModule(tokenizer_name_or_path=tiny_model_dir, task="reverse", batch_size=4, num_train_rows=16,
                             num_val_rows=4, max_new_tokens=6)
     seen = InFlight()
@@ -273,8 +278,34 @@ def test_nothing_is_in_flight_between_steps_with_or_without_checkpoint_callbacks
                       enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[seen],
                       enable_checkpointing=checkpointing)
     trainer.fit(module, datamodule=data)
-    assert seen.pending == [0, 0, 0]
-    assert len(module.pipeline.ahead) == 2  # the two rollouts ahead of the last step, finished
+    # held: steps 1 and 2 (positions 1, 2) taken, 3 and 4 in flight at each end; FinalCheckpoint's last.ckpt at the
+    # fit's end collects them
+    assert seen.pending == ([2, 2, 2] if held else [0, 0, 0])
+    assert len(module.pipeline.ahead) == 2
+    assert engine.collected == (3 + 2 * checkpointing if held else 0)
+    if checkpointing:
+        [last] = tmp_path.rglob("last.ckpt")
+        state = torch.load(last, map_location="cpu", weights_only=False)
+        assert state["global_step"] == 3
+        ahead = state["rloo_pipeline"]["ranks"][0]["ahead"]
+        assert [e["position"] for e in ahead] == [3, 4] and all(e["fields"]["completion_ids"].numel() for e in ahead)
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_a_held_engine_resumes_bit_identically_and_samples_as_one_that_waits(tiny_model_dir, tmp_path, lag):
+    # Rollouts left in flight across step ends are the same samples: the held run's checkpoints equal those of the
+    # run whose engine is collected at every step's end, and a resume from one of its mid-run checkpoints ends there.
+    _fit(tiny_model_dir, tmp_path / "a", 5, lag, engine=HeldEngine(return_logprobs=True, held=False))
+    _fit(tiny_model_dir, tmp_path / "h", 5, lag, engine=HeldEngine(return_logprobs=True, held=True))
+    stopped = sorted((tmp_path / "h" / "ckpt").glob("*step=2.ckpt"))[0]
+    _fit(tiny_model_dir, tmp_path / "r", 5, lag, engine=HeldEngine(return_logprobs=True, held=True), ckpt_path=stopped)
+    end = {run: _policy(sorted((tmp_path / run / "ckpt").glob("*step=5.ckpt"))[0]) for run in "ahr"}
+    for run in "hr":
+        assert all(torch.equal(end["a"][0][k], end[run][0][k]) for k in end["a"][0]), run
+        for x, y in zip(end["a"][1]["rloo_pipeline"]["ranks"][0]["ahead"],
+                        end[run][1]["rloo_pipeline"]["ranks"][0]["ahead"], strict=True):
+            assert x["position"] == y["position"] and torch.equal(x["fields"]["completion_ids"],
+                                                                  y["fields"]["completion_ids"])
 
 
 def test_an_accumulation_schedule_is_refused_at_setup_naming_the_callback(tiny_model_dir, tmp_path):

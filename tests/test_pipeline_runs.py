@@ -32,31 +32,35 @@ def _last(root: Path, version: int = 0) -> Path:
     return root / "lightning_logs" / f"version_{version}" / "checkpoints" / "last.ckpt"
 
 
+@pytest.mark.parametrize("lag,held", [(1, False), (2, True)])
 def test_sigterm_while_a_step_samples_ahead_keeps_the_step_before_and_resumes_exactly(tmp_path, tiny_model_dir,
-                                                                                     _cache_dir):
+                                                                                     _cache_dir, lag, held):
     """K = 1 with the default engine: step g's submission samples step g+1's rollout inside step g. Run b stops at
     step 3's end; run c is signalled inside step 4's submission (generate call 4: calls 0 and 1 are steps 0 and 1's,
     made at step 0); their last.ckpt are the same (the rollouts ahead included), and c resumed to 6 ends where the
-    uninterrupted run a does."""
+    uninterrupted run a does. K = 2 with an engine that keeps versions (``held``): step 3's end left steps 4 and 5's
+    rollouts in flight, and the stop inside step 4 (call 5) collects them into the checkpoint of step 3's end."""
     env = make_env(_cache_dir, STOP_LOG=str(tmp_path / "events"))
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    engine = ["--model.generation_engine", "stop_helpers.SignallingEngine",
-              "--model.generation_engine.return_logprobs", "true", "--model.generation_engine.at_call"]
-    procs = [start_cli("a", _args(a, tiny_model_dir, 6), a, env),
+    engine = ["--model.generation_engine", "stop_helpers.SignallingEngine", "--model.rollout.lag", str(lag),
+              "--model.generation_engine.return_logprobs", "true", "--model.generation_engine.held", str(held).lower(),
+              "--model.generation_engine.at_call"]
+    procs = [start_cli("a", _args(a, tiny_model_dir, 6, *engine, "-1"), a, env),
              start_cli("b", _args(b, tiny_model_dir, 6, "--trainer.callbacks+=reliability_helpers.callbacks.SigtermAt",
-                                  "--trainer.callbacks.step=3"), b, env),
-             start_cli("c", _args(c, tiny_model_dir, 6, *engine, "4"), c, env)]
+                                  "--trainer.callbacks.step=3", *engine, "-1"), b, env),
+             start_cli("c", _args(c, tiny_model_dir, 6, *engine, str(3 + lag)), c, env)]
     wait_all(*procs)
     procs[0].check()
     assert all(p.rc == 143 for p in procs[1:]), "".join(p.explain() for p in procs[1:])
     state_c = _load(_last(c))
     assert state_c["global_step"] == 3
-    # step 3's rollout, sampled at step 2, whole
-    assert [e["position"] for e in state_c["rloo_pipeline"]["ranks"][0]["ahead"]] == [3]
+    # the rollouts of steps 3 .. 3 + K - 1, sampled at steps 3 - K .. 2, whole
+    assert [e["position"] for e in state_c["rloo_pipeline"]["ranks"][0]["ahead"]] == list(range(3, 3 + lag))
     state_b = _load(_last(b))
     _assert_same_tensors(state_c["state_dict"], state_b["state_dict"], "weights")
-    ahead_b, ahead_c = (state["rloo_pipeline"]["ranks"][0]["ahead"][0] for state in (state_b, state_c))
-    assert torch.equal(ahead_b["fields"]["completion_ids"], ahead_c["fields"]["completion_ids"])
+    for ahead_b, ahead_c in zip(*(state["rloo_pipeline"]["ranks"][0]["ahead"] for state in (state_b, state_c)),
+                                strict=True):
+        assert torch.equal(ahead_b["fields"]["completion_ids"], ahead_c["fields"]["completion_ids"])
     assert state_b["loops"] == state_c["loops"]
     wait_all(start_cli("c2", _args(c, tiny_model_dir, 6, *engine, "-1", "--ckpt_path", str(_last(c))), c, env))
     _assert_same_checkpoint(_last(c, 1), _last(a))

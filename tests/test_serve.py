@@ -46,10 +46,13 @@ def test_lora_rank_turns_adapters_on_with_a_rank_vllm_accepts(capsys, monkeypatc
     monkeypatch.setattr(serve, "cpu_build", lambda: False)
     out = _dry(capsys, "--lora-rank", "12")
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in out.split(" -m ")[0]  # the adapter load and unload routes
-    assert "--enable-lora --max-lora-rank 16 --max-loras 2 --max-cpu-loras 2" in out  # 12: vLLM takes 16
+    assert "--enable-lora --max-lora-rank 16 --max-loras 3 --max-cpu-loras 3" in out  # 12: vLLM takes 16
     assert "lora" not in _dry(capsys).lower()  # without it: nothing of LoRA
     with pytest.raises(ValueError, match="--lora-rank must be in 1..512"):
         _dry(capsys, "--lora-rank", "0")
+    assert "--max-loras 5 --max-cpu-loras 5" in _dry(capsys, "--lora-rank", "8", "--max-loras", "5")  # lag 4
+    with pytest.raises(ValueError, match="--max-loras must be in 2..64"):
+        _dry(capsys, "--lora-rank", "8", "--max-loras", "1")
 
 
 def test_vllm_serve_is_used_where_the_vllm_distribution_is_installed(monkeypatch):

@@ -40,8 +40,10 @@ class HasCheckpointEntries(Protocol):
     reused rollout, moving reference). :class:`FinalCheckpoint` keeps them at every step's end, and a stop that
     abandons a step writes those."""
 
-    def checkpoint_entries(self) -> dict:
-        """The top-level entries its ``on_save_checkpoint`` adds, as a checkpoint written now holds them."""
+    def checkpoint_entries(self, step_end: bool = False) -> dict:
+        """The top-level entries its ``on_save_checkpoint`` adds, as a checkpoint written now holds them. With
+        ``step_end`` (kept at a step's end) an entry may be deferred: an object whose ``resolve()`` gives the value
+        when a checkpoint of that step's end is written (every rank calls it then; a copy of it is itself)."""
 
 
 class FinalCheckpoint(Callback):
@@ -380,7 +382,7 @@ def _boundary_state(trainer: Trainer, pl_module: LightningModule, where: str) ->
             fit[progress][scope][counter] += 1
     if where != "epoch":
         fit["epoch_loop.state_dict"]["_batches_that_stepped"] += 1
-    extras = pl_module.checkpoint_entries() if isinstance(pl_module, HasCheckpointEntries) else {}
+    extras = pl_module.checkpoint_entries(step_end=True) if isinstance(pl_module, HasCheckpointEntries) else {}
     extras = {key: _cloned(value) if key == "rloo_reference" else copy.deepcopy(value) for key, value in extras.items()}
     buffers = {name: value.detach().clone() for name, value in pl_module.named_buffers() if value.numel() < 1024}
     return {"loops": loops, "callbacks": copy.deepcopy(framework.callbacks_state(trainer)), "extras": extras,
@@ -404,7 +406,8 @@ def _rewound(checkpoint: dict, boundary: dict, pl_module: LightningModule) -> No
     checkpoint["loops"], checkpoint["callbacks"] = boundary["loops"], boundary["callbacks"]
     for key in pl_module.checkpoint_entries() if isinstance(pl_module, HasCheckpointEntries) else ():
         checkpoint.pop(key, None)
-    checkpoint.update(copy.deepcopy(boundary["extras"]))
+    checkpoint.update({key: value.resolve() if callable(getattr(value, "resolve", None)) else value
+                       for key, value in copy.deepcopy(boundary["extras"]).items()})
     for name, value in boundary["buffers"].items():
         if name in checkpoint["state_dict"]:
             checkpoint["state_dict"][name] = value.clone()

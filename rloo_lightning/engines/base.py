@@ -102,6 +102,12 @@ class GenerationEngine:
         value = self.generate(model, tokenizer, prompt_ids, prompt_mask, generation_config, seed)
         return Submitted(value=value, seconds=time.perf_counter() - start)
 
+    #: Whether each submitted request keeps the weights it was submitted from while newer ones load: a sync does not
+    #: wait for the requests in flight (a LoRA policy's adapters, one version per sync). True lets a rollout
+    #: generate across the syncs of the steps between (``rollout.lag >= 2``): the pipeline does not collect it at
+    #: each step's end. False (the default): the pipeline collects every request before the next sync.
+    keeps_versions: bool = False
+
     def collect(self, handle):
         """What :meth:`generate` would have returned for the :meth:`submit` that gave ``handle``; waits for it.
         Each handle is collected once, in any order. ``handle.seconds``, when set, is the time the engine spent

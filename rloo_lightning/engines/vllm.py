@@ -35,11 +35,14 @@ Rule for the weights: a push first waits for the answer of every pending request
 and loads them. So no push overwrites buffers the child may still read, and every request samples from the weights
 of the last push before it was sent. Its cost: a request can overlap the trainer only until the next push, so with
 one engine a request submitted at step g must finish before step g+1's first generation; the overlap is one step's
-generation against one step's training (what the module's fixed-lag pipeline needs: it collects every pending
-rollout at the step's end anyway). Fail, never hang: while the trainer waits, a child that ends raises
-``RuntimeError`` and one that sends nothing for ``stall_timeout`` seconds raises ``TimeoutError``; the child sends a
-heartbeat at each request's start and every couple of seconds while it generates, so only a stuck child is silent
-that long.
+generation against one step's training (the module's fixed-lag pipeline collects every pending rollout at the step's
+end). An adapter push (a LoRA policy) waits for nothing (:attr:`VLLMEngine.keeps_versions`): the child takes its
+requests in order, so each generate samples with the adapter pushed before it; the push's canary is answered in
+that order too, and checked before the answer of any request sent after it is used (:meth:`VLLMEngine.collect`):
+with ``rollout.lag`` K >= 2 a rollout then generates across the steps between, while the trainer trains.
+Fail, never hang: while the trainer waits, a child that ends raises ``RuntimeError`` and one that sends nothing for
+``stall_timeout`` seconds raises ``TimeoutError``; the child sends a heartbeat at each request's start and every
+couple of seconds while it generates, so only a stuck child is silent that long.
 """
 
 from __future__ import annotations
@@ -145,8 +148,8 @@ class VLLMEngine(GenerationEngine):
     ends the completion at the first stop string, as with every engine (the tokens after it cost time only).
 
     Overlap: :meth:`submit` sends the request and returns; the child generates while the trainer trains, and
-    :meth:`collect` waits for the answer (``rollout.lag``). A push waits for every pending request first,
-    so the overlap spans one step (see the module docstring).
+    :meth:`collect` waits for the answer (``rollout.lag``). A push of full weights waits for every pending request
+    first, so the overlap spans one step; an adapter push does not (see the module docstring).
 
     Default correction: the engine is not pi_theta (other kernels, and with ``dtype`` another precision), so with
     ``correction.level: auto`` (the default) the module applies :attr:`default_correction`, token-level
@@ -202,6 +205,7 @@ class VLLMEngine(GenerationEngine):
         self._buffers: dict[str, Tensor] | None = None
         self._adapters = False  # this policy's adapter is pushed alone (lora_sync: adapter, a LoRA policy)
         self._adapter_version = 0  # the adapter the child holds (0: none yet)
+        self._unchecked: list[tuple[int, int, list[float], str]] = []  # adapter pushes whose canary is not read yet
         self._sums = {"sync_s": 0.0, "sync_mb": 0.0}
 
     # -- checks, before any compute ------------------------------------------------------------
@@ -237,6 +241,11 @@ class VLLMEngine(GenerationEngine):
     def on_weights_updated(self, model) -> None:
         self.stale = True
 
+    @property
+    def keeps_versions(self) -> bool:
+        """Adapter pushes wait for no pending request: each generate names the adapter pushed before it."""
+        return self._adapters
+
     # -- the child process ---------------------------------------------------------------------
     def _start(self, model) -> None:
         base = base_model(model)
@@ -268,7 +277,7 @@ class VLLMEngine(GenerationEngine):
         is killed at once rather than left to finish them."""
         if self._worker is not None:
             self._worker.close()
-        self._worker, self._buffers, self.stale, self._adapter_version = None, None, True, 0
+        self._worker, self._buffers, self.stale, self._adapter_version, self._unchecked = None, None, True, 0, []
 
     def push(self, model) -> float:
         """Bring the engine to the policy's current weights; returns the seconds it took: the weights (or, for a
@@ -307,7 +316,8 @@ class VLLMEngine(GenerationEngine):
     def _push_adapter(self, model) -> None:
         """Write the adapter into a new folder and have the child load it as a new version; no wait for pending
         requests (each names its own version, and the child answers in order). The canary: the child's log-probs
-        under the new adapter must equal the policy's within ``canary_tolerance``."""
+        under the new adapter must equal the policy's within ``canary_tolerance``, read when the answer of a request
+        sent after this push is collected (:meth:`_check_adapters`)."""
         with torch.no_grad():
             tensors = adapter_tensors(model)
         version = self._adapter_version + 1
@@ -317,16 +327,23 @@ class VLLMEngine(GenerationEngine):
         context = self.max_model_len or getattr(config, "max_position_embeddings", None) or 33
         ids = canary_ids(config.vocab_size, max(2, min(32, context - 1)))
         expected = canary_logprobs(model, ids)
-        got = self._worker.call("adapter", folder, version, ids)
-        gap = max(abs(a - b) for a, b in zip(got, expected))
-        if not gap <= self.canary_tolerance:
-            raise RuntimeError(f"VLLMEngine: after the adapter push of version {version}, the engine's log-probs of "
-                               f"the canary differ from the policy's by {gap:.3g} (> canary_tolerance="
-                               f"{self.canary_tolerance:g}): the adapter did not load as trained")
-        for old in os.listdir(self._config_dir.name):  # the child holds this version alone now
-            if old.startswith("adapter-") and old != os.path.basename(folder):
-                shutil.rmtree(os.path.join(self._config_dir.name, old), ignore_errors=True)
+        self._unchecked.append((self._worker.send("adapter", folder, version, ids), version, expected, folder))
         self._adapter_version = version
+
+    def _check_adapters(self, before: int | None = None) -> None:
+        """Read the canary answers of the adapter pushes sent before request ``before`` (None: all), in order, and
+        raise where one differs from the policy's log-probs: no rollout sampled after such a push is used."""
+        while self._unchecked and (before is None or self._unchecked[0][0] < before):
+            rid, version, expected, folder = self._unchecked.pop(0)
+            got, _ = self._worker.result(rid)
+            gap = max(abs(a - b) for a, b in zip(got, expected))
+            if not gap <= self.canary_tolerance:
+                raise RuntimeError(f"VLLMEngine: after the adapter push of version {version}, the engine's log-probs "
+                                   f"of the canary differ from the policy's by {gap:.3g} (> canary_tolerance="
+                                   f"{self.canary_tolerance:g}): the adapter did not load as trained")
+            for old in os.listdir(self._config_dir.name):  # the child holds this version alone now
+                if old.startswith("adapter-") and old < os.path.basename(folder):
+                    shutil.rmtree(os.path.join(self._config_dir.name, old), ignore_errors=True)
 
     def metrics(self) -> dict[str, float]:
         """Since the last call: ``train/weight_sync_s`` (the pushes' wall time) and ``train/weight_sync_mb`` (what
@@ -349,6 +366,7 @@ class VLLMEngine(GenerationEngine):
         request: ChildRequest = handle.key
         if self._worker is None:
             raise RuntimeError(f"VLLMEngine: request {request.request_id} was pending when the engine was closed")
+        self._check_adapters(before=request.request_id)
         samples, seconds = self._worker.result(request.request_id, request.stoppable)
         handle.value, handle.seconds = padded_samples(samples, request.pad, request.device), seconds
         return handle.value
@@ -377,5 +395,5 @@ class VLLMEngine(GenerationEngine):
 
     def __getstate__(self) -> dict:  # a deep copy or pickle of the module carries the options, not the child
         state = dict(self.__dict__)
-        state.update(_worker=None, _buffers=None, stale=True, _config_dir=None, _adapter_version=0)
+        state.update(_worker=None, _buffers=None, stale=True, _config_dir=None, _adapter_version=0, _unchecked=[])
         return state

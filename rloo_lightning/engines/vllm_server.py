@@ -51,7 +51,7 @@ from rloo_lightning.engines.vllm_common import (
     row_seeds, unpadded_prompts)
 from rloo_lightning.engines.vllm_http import ServerClient, ServerDown, ServerFailed, ServerRefused, attempts, stopper
 from rloo_lightning.engines.vllm_lora import check_adapter_sync, is_lora_policy, lora_rank
-from rloo_lightning.engines.vllm_server_sync import ServerWeightSync
+from rloo_lightning.engines.vllm_server_sync import ServerWeightSync, holds, served
 from rloo_lightning.engines.vllm_sync import Canary, Published, world
 from rloo_lightning.runtime import sigterm
 
@@ -69,6 +69,7 @@ class ServerBatch:
     stem: str  # the request ids' stem: "<stem>-<row>-a<attempt>"
     start: float  # time.perf_counter() at submit
     cancelled: threading.Event  # set: rows not sent yet are not sent (the batch was aborted)
+    sync: Published | None = None  # the sync its rows sample from (an adapter sync: its adapter, to the end)
 
 
 class VLLMServerEngine(ServerWeightSync, GenerationEngine):
@@ -168,6 +169,7 @@ class VLLMServerEngine(ServerWeightSync, GenerationEngine):
         self._pending: list[Submitted] = []
         self._run = uuid.uuid4().hex[:8]
         self._current: Published | None = None  # the last sync (every rank knows it after a sync)
+        self._versions: list[Published] = []  # the syncs that batches in flight may sample from, the current last
         self._canary: Canary | None = None
         self._adapters = False  # the policy's adapter is synced alone (lora_sync: adapter, a LoRA policy)
         self._base: Published | None = None  # its base, written at the run's first sync
@@ -202,6 +204,11 @@ class VLLMServerEngine(ServerWeightSync, GenerationEngine):
 
     def on_weights_updated(self, model) -> None:
         self.stale = True
+
+    @property
+    def keeps_versions(self) -> bool:
+        """Adapter syncs wait for no request in flight: each batch samples with the adapter it was submitted after."""
+        return self._adapters
 
     def reachable(self) -> None:
         """The key is set and every server answers ``/health`` within 5 s (a checkpoint's engine, for validate, test
@@ -245,14 +252,15 @@ class VLLMServerEngine(ServerWeightSync, GenerationEngine):
         """A request that generates has no bound of its own where the watch sees the server's progress."""
         return None if server.progress_signal else self.request_timeout
 
-    def _ensure_current(self, server: ServerClient) -> str:
-        """The server's ``"<boot>:<tag>"`` (its process, and the sync it last loaded), after loading the current
-        sync when it holds another (a restart, or another trainer's). :class:`ServerDown` when it is down."""
+    def _ensure(self, server: ServerClient, sync: Published) -> str:
+        """The server's ``"<boot>:<tag>"`` (its process, and the sync it last loaded), after loading ``sync`` (a
+        batch's) when it holds another (a restart, or another trainer's), or when it lacks ``sync``'s adapter (a
+        restart that the current sync's reload found first). :class:`ServerDown` when it is down."""
         with server.lock:
             state = server.rpc("rloo_state", timeout=self.request_timeout)
-            if state.split(":", 1)[1] != self._holds():
+            if state.split(":", 1)[1] != holds(sync) or (sync.adapter and sync.adapter not in server.adapters):
                 server.read_model()  # a restart may rename it
-                self._load(server, paused=False)
+                self._load(server, sync, paused=False)
                 state = server.rpc("rloo_state", timeout=self.request_timeout)
             return state
 
@@ -274,39 +282,41 @@ class VLLMServerEngine(ServerWeightSync, GenerationEngine):
             by_server.setdefault((rank + g * world_size) % len(self._servers), []).append(i)
         stem = f"rloo-{self._run}-r{rank}-s{seed % 10**12}"
         cancelled = threading.Event()
+        sync = self._current
         futures = {s: self._pool.submit(self._server_rows, self._servers[s], [(i, prompts[i], seeds[i]) for i in rows],
-                                        params, stem, cancelled) for s, rows in by_server.items()}
+                                        params, stem, cancelled, sync) for s, rows in by_server.items()}
         handle = Submitted(key=ServerBatch(futures, len(prompts), pad_id(generation_config), prompt_ids.device, stem,
-                                           time.perf_counter(), cancelled))
+                                           time.perf_counter(), cancelled, sync))
         self._pending.append(handle)
         return handle
 
     def _server_rows(self, server: ServerClient, rows: list, params: dict, stem: str,
-                     cancelled: threading.Event) -> dict[int, tuple]:
-        """One server's rows of a batch: ``{row: (ids, logprobs)}``, sampled again if the server restarted while
-        they ran (its boot or its sync changed)."""
+                     cancelled: threading.Event, sync: Published) -> dict[int, tuple]:
+        """One server's rows of a batch, sampled from ``sync``: ``{row: (ids, logprobs)}``, sampled again if the
+        server restarted while they ran (its boot or its sync changed)."""
         stop = stopper(cancelled)
         check = "the check of its weights before a batch"
         for _ in range(self.retries + 1):
-            before = self._attempts(server, check, lambda n: self._ensure_current(server), stop)
-            futures = {i: self._rows_pool.submit(self._row, server, prompt, params, row_seed, f"{stem}-{i}", stop)
-                       for i, prompt, row_seed in rows}
+            before = self._attempts(server, check, lambda n: self._ensure(server, sync), stop)
+            futures = {i: self._rows_pool.submit(self._row, server, prompt, params, row_seed, f"{stem}-{i}", stop,
+                                                 sync) for i, prompt, row_seed in rows}
             cf.wait(futures.values())  # every row ends within its bound; none is left running
             out = {i: f.result() for i, f in futures.items()}
-            if self._attempts(server, check, lambda n: self._ensure_current(server), stop) == before:
+            if self._attempts(server, check, lambda n: self._ensure(server, sync), stop) == before:
                 return out
             self._sums["retries"] += 1
         raise ServerFailed(f"VLLMServerEngine: {server.url} restarted during every one of {self.retries + 1} "
                            "attempts at a batch")
 
-    def _row(self, server: ServerClient, prompt: list[int], params: dict, row_seed: int, rid: str, stop) -> tuple:
-        body = {"model": self._served(server), "prompt": prompt, "seed": row_seed, **params}
+    def _row(self, server: ServerClient, prompt: list[int], params: dict, row_seed: int, rid: str, stop,
+             sync: Published) -> tuple:
+        body = {"model": served(server, sync), "prompt": prompt, "seed": row_seed, **params}
 
         def attempt(n: int) -> tuple:
             stop()
             if n:  # after the server was down: it may have restarted, and is synced and verified before it samples
-                self._ensure_current(server)
-                body["model"] = self._served(server)
+                self._ensure(server, sync)
+                body["model"] = served(server, sync)
             request_id = f"{rid}-a{n}"
             try:
                 answer = server.call("/v1/completions", {**body, "request_id": request_id},
@@ -399,5 +409,5 @@ class VLLMServerEngine(ServerWeightSync, GenerationEngine):
     def __getstate__(self) -> dict:  # a deep copy or pickle of the module carries the options, not the connections
         state = dict(self.__dict__)
         state.update(_servers=None, _pool=None, _rows_pool=None, _pending=[], stale=True, _canary=None, _made_dir=None,
-                     _base=None, _current=None)
+                     _base=None, _current=None, _versions=[])
         return state

@@ -7,8 +7,12 @@ folder of its own once (``<run>-base-sync000000``) and the adapter of each sync 
 (``<run>-sync<id>``, PEFT's format); for each server, the base is loaded (``rloo_load``, behind ``/pause``) when the
 server does not hold it (the first sync, a restart), every adapter the server lists then unloaded (vLLM's engine
 drops them when its base reloads, its registry keeps their names), then the adapter under a name new to the run and
-the sync (``/v1/load_lora_adapter``: no pause, the requests on the previous adapter go on), the previous name
-unloaded, and the canary sent with the new name: the base and the adapter are verified together, at every sync.
+the sync (``/v1/load_lora_adapter``: no pause, the requests on the previous adapters go on), and the canary sent
+with the new name: the base and the adapter are verified together, at every sync. Such a sync waits for no request
+in flight (``keeps_versions``): each batch names the adapter of the sync it was submitted after, and samples with it
+to the end, also after a restart (its adapter is loaded again, from its folder, and verified by its own canary).
+The adapters of no pending batch are unloaded at the next sync and their folders removed: with ``rollout.lag`` K, K
+batches are in flight at a sync, so at most K + 1 adapters are loaded (``rloo-lightning serve --max-loras``).
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ class ServerWeightSync:
         start = time.perf_counter()
         world_size, rank = world()
         mine: Published | str | None = ""
-        try:
-            if not self._drain():
+        try:  # merged weights replace the ones in use: this rank's requests in flight end first (adapters: no wait)
+            if not self._adapters and not self._drain():
                 mine = None
         except Exception as err:  # noqa: BLE001 - held: every rank learns it below, none waits in a collective
             mine = one_line(err)
@@ -67,6 +71,7 @@ class ServerWeightSync:
         if outcome is None:
             return False
         self._current, self._canary, self.sync_count = outcome, canary, outcome.sync_id
+        self._versions = [v for v in self._versions if v.adapter in outcome.kept] + [outcome]
         if outcome.base is not None:
             self._base = outcome.base
         self.stale = False
@@ -90,7 +95,7 @@ class ServerWeightSync:
         tag = f"{self._run}:{sync_id}"
         if not self._adapters:
             folder = write_sync_folder(root, self._run, sync_id, tag, tensors)
-            self._current = Published(folder, tag, sync_id, len(tensors), size)
+            self._current = Published(folder, tag, sync_id, len(tensors), size, canary=canary)
         else:
             if base is not None:  # the run's first sync: the base, once (a restarted server loads it again)
                 base_tag = f"{self._run}:base"
@@ -99,27 +104,34 @@ class ServerWeightSync:
             folder = sync_folder(root, self._run, sync_id)
             written = write_adapter_folder(folder, model, tensors) + (size if base is not None else 0)
             self._current = Published(folder, tag, sync_id, len(tensors), written,
-                                      adapter=adapter_name(sync_id, self._run), base=self._base)
+                                      adapter=adapter_name(sync_id, self._run), base=self._base, canary=canary)
         self._canary = canary
+        # the adapters of the batches still in flight (every rank's are these: each collects its batches at the same
+        # steps, before that step's collectives), kept loaded beside the new one
+        kept = sorted({b.key.sync.adapter for b in self._pending if b.key.sync is not None} - {None})
         cancelled = threading.Event()
         stop = stopper(cancelled)
+        sync = self._current
 
         def load(server: ServerClient) -> float:
             with server.lock:
-                return self._attempts(server, f"weight sync {tag}", lambda n: self._load(server, paused=True), stop)
+                seconds = self._attempts(server, f"weight sync {tag}", lambda n: self._load(server, sync, True), stop)
+                if sync.adapter is not None:
+                    retire_adapters(server, [*kept, sync.adapter], self.request_timeout)
+                return seconds
 
         futures = [self._pool.submit(load, server) for server in self._servers]
         if not self._wait(futures, cancelled, "loading the weights into a vLLM server"):
             return None
         load_s = max(f.result() for f in futures)
-        remove_older_syncs(root, self._run, folder)  # a restarted server loads the current sync; nothing older
-        return replace(self._current, load_s=load_s, seconds=time.perf_counter() - start)
+        # a restarted server loads the current sync, and a batch in flight its own: nothing else
+        remove_older_syncs(root, self._run, [folder] + [v.folder for v in self._versions if v.adapter in kept])
+        return replace(self._current, load_s=load_s, seconds=time.perf_counter() - start, kept=tuple(kept))
 
-    def _load(self, server: ServerClient, paused: bool) -> float:
-        """Load the current sync into ``server`` and verify it (caller holds ``server.lock``); its load seconds. An
-        adapter sync loads the base first where the server does not hold it (``paused`` applies to that load) and
-        the adapter without a pause. :class:`ServerDown` when the server is found down at any of these calls."""
-        sync = self._current
+    def _load(self, server: ServerClient, sync: Published, paused: bool) -> float:
+        """Load ``sync`` into ``server`` and verify it (caller holds ``server.lock``); its load seconds. An adapter
+        sync loads the base first where the server does not hold it (``paused`` applies to that load) and the adapter
+        without a pause. :class:`ServerDown` when the server is found down at any of these calls."""
         if sync.adapter is None:
             seconds = self._load_folder(server, sync, paused)
         else:
@@ -130,7 +142,7 @@ class ServerWeightSync:
             start = time.perf_counter()
             load_adapter(server, sync, self.request_timeout)
             seconds += time.perf_counter() - start
-        self._verify(server)
+        self._verify(server, sync)
         return seconds
 
     def _load_folder(self, server: ServerClient, sync: Published, paused: bool) -> float:
@@ -156,39 +168,41 @@ class ServerWeightSync:
                                f"{sync.tensors} tensors ({sync.bytes} bytes) written")
         return float(loaded.get("seconds") or 0.0)
 
-    def _verify(self, server: ServerClient) -> None:
+    def _verify(self, server: ServerClient, sync: Published) -> None:
         """The canary: the server's log-probs of a fixed sequence (under the sync's adapter, if any) equal the
-        trainer's within the tolerance."""
-        ids, expected = self._canary.ids, self._canary.logprobs
+        trainer's at that sync within the tolerance."""
+        ids, expected = sync.canary.ids, sync.canary.logprobs
         try:
-            answer = server.call("/v1/completions", {"model": self._served(server), "prompt": ids, "max_tokens": 1,
+            answer = server.call("/v1/completions", {"model": served(server, sync), "prompt": ids, "max_tokens": 1,
                                                      "temperature": 1.0, "prompt_logprobs": 0, "seed": 0},
                                  timeout=self._row_timeout(server))
         except ServerRefused as err:
             raise ServerFailed(f"VLLMServerEngine: {server.url} refused the canary of weight sync "
-                               f"{self._current.tag}: {err}") from None
+                               f"{sync.tag}: {err}") from None
         steps = answer["choices"][0]["prompt_logprobs"][1:]
         got = [float(step[str(tok)]["logprob"]) for tok, step in zip(ids[1:], steps)]
         gap = max(abs(a - b) for a, b in zip(got, expected))
         if not gap <= self.canary_tolerance:
-            what = f"weights (adapter {self._current.adapter} on its base)" if self._current.adapter else "weights"
-            raise ServerFailed(f"VLLMServerEngine: after weight sync {self._current.tag}, {server.url} gives canary "
+            what = f"weights (adapter {sync.adapter} on its base)" if sync.adapter else "weights"
+            raise ServerFailed(f"VLLMServerEngine: after weight sync {sync.tag}, {server.url} gives canary "
                                f"log-probs up to {gap:.3g} from the trainer's (canary_tolerance="
                                f"{self.canary_tolerance:g}): the server samples from other {what} than the policy's")
-
-    def _served(self, server: ServerClient) -> str:
-        """The ``model`` a request names: the current sync's adapter, else the served model."""
-        return self._current.adapter if self._current is not None and self._current.adapter else server.model
-
-    def _holds(self) -> str:
-        """The tag a server holding the current sync reports (``rloo_state``): an adapter sync's base's."""
-        return self._current.base.tag if self._current.adapter else self._current.tag
 
     def _canary_ids(self, model) -> list[int]:
         if self._canary is not None:
             return self._canary.ids
         limit = min(server.max_model_len or self.canary_tokens + 1 for server in self._servers)
         return canary_ids(base_model(model).config.vocab_size, max(2, min(self.canary_tokens, limit - 1)))
+
+
+def served(server: ServerClient, sync: Published | None) -> str:
+    """The ``model`` a request sampled from ``sync`` names: its adapter, else the served model."""
+    return sync.adapter if sync is not None and sync.adapter else server.model
+
+
+def holds(sync: Published) -> str:
+    """The tag a server holding ``sync`` reports (``rloo_state``): an adapter sync's base's."""
+    return sync.base.tag if sync.adapter else sync.tag
 
 
 def drop_adapters(server: ServerClient, timeout: float) -> None:
@@ -211,8 +225,7 @@ def _unload(server: ServerClient, names: list[str], timeout: float) -> None:
 
 def load_adapter(server: ServerClient, sync: Published, timeout: float) -> None:
     """Load ``sync``'s adapter into ``server`` under its name (``/v1/load_lora_adapter``; a name it holds already,
-    after a retried call that went through, is loaded), then unload the names before it (vLLM's API forgets them;
-    its engine evicts them as new ones come)."""
+    after a retried call that went through, is loaded)."""
     try:
         server.call("/v1/load_lora_adapter", {"lora_name": sync.adapter, "lora_path": sync.folder}, timeout=timeout,
                     watch="health", refused_5xx=True)
@@ -223,5 +236,11 @@ def load_adapter(server: ServerClient, sync: Published, timeout: float) -> None:
                     and "does not exist" not in err.text else "")
             raise ServerFailed(f"VLLMServerEngine: {server.url} failed to load the adapter of weight sync {sync.tag} "
                                f"from {sync.folder}: {err}{hint}") from None
-    _unload(server, [name for name in getattr(server, "adapters", []) if name != sync.adapter], timeout)
-    server.adapters = [sync.adapter]
+    server.adapters = [*[name for name in getattr(server, "adapters", []) if name != sync.adapter], sync.adapter]
+
+
+def retire_adapters(server: ServerClient, keep: list[str], timeout: float) -> None:
+    """Unload the adapters ``server`` holds for this run but ``keep`` (those of the batches in flight, and the new
+    one): vLLM's API forgets them, its engine evicts them as new ones come."""
+    _unload(server, [name for name in getattr(server, "adapters", []) if name not in keep], timeout)
+    server.adapters = [name for name in getattr(server, "adapters", []) if name in keep]

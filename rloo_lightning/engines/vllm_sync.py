@@ -46,6 +46,8 @@ class Published:
     seconds: float = 0.0  # rank 0's write, loads and checks
     adapter: str | None = None  # an adapter sync (lora_sync: adapter): the adapter's name on the servers
     base: Published | None = None  # and the base it adapts (bytes: what this sync wrote, the base at the first)
+    canary: Canary | None = None  # the trainer's log-probs of the canary at this sync (a reload is verified by it)
+    kept: tuple[str, ...] = ()  # the adapters of batches in flight that stayed loaded beside this one
 
 
 def world() -> tuple[int, int]:
@@ -122,10 +124,11 @@ def write_sync_folder(root: str, run: str, sync_id: int, tag: str, weights: dict
     return folder
 
 
-def remove_older_syncs(root: str, run: str, current: str) -> None:
-    """Remove this run's sync folders in ``root`` but ``current``: a restarted server loads the current one only."""
+def remove_older_syncs(root: str, run: str, keep: list[str]) -> None:
+    """Remove this run's sync folders in ``root`` but those of ``keep``: a restarted server loads those only (the
+    current sync, and the adapters of requests still in flight)."""
     for old in os.listdir(root):
-        if old.startswith(_sync_prefix(run)) and os.path.join(root, old) != current:
+        if old.startswith(_sync_prefix(run)) and os.path.join(root, old) not in keep:
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 

@@ -10,6 +10,7 @@ import time
 
 from lightning.pytorch import Callback
 
+from rloo_lightning.engines.base import Submitted
 from rloo_lightning.engines.decode import DecodeLoopEngine
 from rloo_lightning.engines.vllm import VLLMEngine  # does not import vLLM
 
@@ -104,14 +105,37 @@ class SignalAt(Callback):
         _record(f"step {trainer.global_step}")
 
 
-class SignallingEngine(DecodeLoopEngine):
+class HeldEngine(DecodeLoopEngine):
+    """The default engine, seen by the pipeline as an engine that keeps each version's weights while its requests run
+    (a LoRA policy's adapters on vLLM) when ``held``: :meth:`submit` samples at once, from the weights as they are,
+    and hands the sample over only at :meth:`collect`, so that a rollout ahead is in flight across step ends
+    (``collected`` counts the hand-overs)."""
+
+    def __init__(self, return_logprobs: bool = False, held: bool = False) -> None:
+        super().__init__(return_logprobs=return_logprobs)
+        self.held, self.overlaps, self.keeps_versions, self.collected = held, held, held, 0
+
+    def submit(self, model, tokenizer, prompt_ids, prompt_mask, generation_config, seed):
+        handle = super().submit(model, tokenizer, prompt_ids, prompt_mask, generation_config, seed)
+        return Submitted(key=handle) if self.held else handle
+
+    def collect(self, handle):
+        if not self.held:
+            return super().collect(handle)
+        self.collected += 1
+        handle.value, handle.seconds = handle.key.value, handle.key.seconds
+        return handle.value
+
+
+class SignallingEngine(HeldEngine):
     """The default engine, that sends ``sig`` (:func:`send`) as its ``at_call``-th call (from 0) starts: the signal
     lands inside that training step's generation (validation off: one call per step). With several ranks, only
     rank ``rank`` sends it (a SIGTERM reaches that rank alone: rank 0 passes it to the ranks it launched, another
-    rank does not; a SIGINT reaches every rank, as a terminal's Ctrl-C)."""
+    rank does not; a SIGINT reaches every rank, as a terminal's Ctrl-C). ``held``: as :class:`HeldEngine`."""
 
-    def __init__(self, at_call: int = -1, rank: int = 0, sig: str = "SIGTERM", return_logprobs: bool = False) -> None:
-        super().__init__(return_logprobs=return_logprobs)
+    def __init__(self, at_call: int = -1, rank: int = 0, sig: str = "SIGTERM", return_logprobs: bool = False,
+                 held: bool = False) -> None:
+        super().__init__(return_logprobs=return_logprobs, held=held)
         self.at_call, self.rank, self.sig, self.calls = at_call, rank, sig, 0
 
     def generate(self, *args, **kwargs):
