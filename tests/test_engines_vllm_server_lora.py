@@ -173,13 +173,22 @@ def test_merged_syncs_a_lora_policy_to_a_server_without_lora(tiny_model_dir, eng
         assert "/v1/load_lora_adapter" not in _kinds(server)
 
 
-def test_an_adapter_that_did_not_load_is_caught_by_the_canary(lora_server, engines, policy):
+@pytest.mark.parametrize("fault", ["ignored", "offset"])
+def test_an_adapter_that_did_not_load_is_caught_by_the_canary(lora_server, engines, policy, fault):
+    # The adapter sync's canary is checked on tokens the server samples after prefixes of the canary sequence (not
+    # its prompt log-probs, which vLLM gets wrong under an adapter in a shared batch): an adapter ignored, or log-probs
+    # off by twice the tolerance, is caught.
     lora, tok, config, ids, mask = _lora(policy)
     engine = engines(lora_server, retries=0)
-    lora_server.set(adapter_mode="ignore")  # answers success, samples with the base
+    if fault == "ignored":
+        lora_server.set(adapter_mode="ignore")  # answers success, samples with the base
+    else:
+        lora_server.set(canary_offset=2 * engine.canary_tolerance)
     with pytest.raises(Exception) as err:
         engine.generate(lora, tok, ids, mask, config, seed=3)
     assert f"adapter rloo-{engine._run}-adapter-1 on its base" in one_line(err) and lora_server.url in one_line(err)
+    canaries = [e for e in lora_server.log if e["kind"] == "canary"]
+    assert canaries and all(e.get("request_id", "").startswith("rloo-canary") for e in canaries)
 
 
 def test_a_server_that_cannot_load_adapters_at_runtime_is_named(lora_server, engines, policy, monkeypatch):

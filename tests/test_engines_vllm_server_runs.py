@@ -41,10 +41,11 @@ def _env(root):
 def runs(tmp_path_factory, vllm_server, server_model_dir):
     """One after another on the shared server (each run syncs its own weights into it). a: 4 steps. b: 2 steps, then
     resumed to 4. c: a SIGTERM at step 2's end, then resumed to 4. k: a lag of 1, 4 steps; k2: 2 steps of it, resumed
-    to 4."""
+    to 4. l: a LoRA policy synced as adapters with a lag of 2 (rollouts in flight across steps), 5 steps; l2: 3 steps
+    of it, resumed to 5."""
     root = tmp_path_factory.mktemp("server_runs")
     env, url, model = _env(root), vllm_server.url, server_model_dir
-    out = {name: root / name for name in ("a", "b", "c", "k", "k2")}
+    out = {name: root / name for name in ("a", "b", "c", "k", "k2", "l", "l2")}
     stop = ["--trainer.callbacks+=reliability_helpers.callbacks.SigtermAt", "--trainer.callbacks.step=2"]
     lag = ["--model.rollout.lag", "1"]
     for name, args in [("a", _fit(out["a"], model, url, 4)), ("b", _fit(out["b"], model, url, 2)),
@@ -58,7 +59,15 @@ def runs(tmp_path_factory, vllm_server, server_model_dir):
                        ("k", _fit(out["k"], model, url, 4, *lag)), ("k2", _fit(out["k2"], model, url, 2, *lag)),
                        ("k3", _fit(out["k2"], model, url, 4, *lag, "--ckpt_path", _last(out["k2"])))]:
         start_cli(name, args, out["c" if name == "c2" else "k" if name == "k" else "k2"], env).check()
+    for name, args in [("l", _fit(out["l"], model, url, 5, *LORA_LAG)),
+                       ("l2", _fit(out["l2"], model, url, 3, *LORA_LAG)),
+                       ("l3", _fit(out["l2"], model, url, 5, *LORA_LAG, "--ckpt_path", _last(out["l2"])))]:
+        start_cli(name, args, out["l" if name == "l" else "l2"], env).check()
     return out
+
+
+LORA_LAG = ["--model.policy.lora", '{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}',
+            "--model.rollout.lag", "2"]
 
 
 @vllm_test
@@ -81,6 +90,17 @@ def test_a_lag_with_a_server_engine_resumes_bit_identical(runs):
     scalars = read_scalars(runs["k"] / "lightning_logs" / "version_0")
     assert [scalars["train/staleness"][g] for g in range(4)] == [0, 1, 1, 1]
     _assert_same_checkpoint(_last(runs["k2"], 1), _last(runs["k"]))
+
+
+@vllm_test
+def test_a_lora_policy_with_a_lag_of_2_keeps_its_rollouts_in_flight_and_resumes_bit_identical(runs):
+    # Adapter syncs wait for no rollout in flight: each step's end leaves the next two in flight, sampled with the
+    # adapters of their own steps; the resume (a checkpoint collects them) ends where the uninterrupted run does.
+    scalars = read_scalars(runs["l"] / "lightning_logs" / "version_0")
+    assert [scalars["train/staleness"][g] for g in range(5)] == [0, 1, 2, 2, 2]
+    synced = [scalars["train/weight_sync_mb"][g] for g in range(5)]
+    assert all(mb < 0.1 * synced[0] for mb in synced[1:]), synced  # the base once, then the adapter alone
+    _assert_same_checkpoint(_last(runs["l2"], 1), _last(runs["l"]))
 
 
 @vllm_test

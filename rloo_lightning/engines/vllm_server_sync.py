@@ -22,6 +22,7 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import replace
 
 import torch
@@ -30,8 +31,8 @@ from rloo_lightning.engines.kv_cache import base_model
 from rloo_lightning.engines.vllm_http import ServerClient, ServerFailed, ServerRefused, one_line, stopper
 from rloo_lightning.engines.vllm_lora import adapter_name, adapter_tensors, write_adapter_folder
 from rloo_lightning.engines.vllm_sync import (
-    Canary, Published, agreed, canary_ids, canary_logprobs, memory_folder, remove_older_syncs, sync_folder,
-    weights_to_write, world, write_sync_folder)
+    Canary, Published, agreed, canary_ids, canary_logprobs, memory_folder, remove_older_syncs, sampled_canary,
+    sync_folder, weights_to_write, world, write_sync_folder)
 
 __all__ = ["ServerWeightSync"]
 
@@ -58,8 +59,8 @@ class ServerWeightSync:
                 weights = (base, adapter_tensors(model))
             else:
                 weights = weights_to_write(model, rank)
-            ids = self._canary_ids(model)
-            canary = Canary(ids, canary_logprobs(model, ids))  # a forward: every rank
+            ids = self._canary_ids(model)  # a forward: every rank (each keeps its own canary, the rows are large)
+            canary = sampled_canary(model, ids) if self._adapters else Canary(ids, canary_logprobs(model, ids))
         if rank == 0 and mine == "":
             try:
                 mine = self._publish(weights, canary, model)
@@ -70,6 +71,7 @@ class ServerWeightSync:
             raise ServerFailed(outcome)
         if outcome is None:
             return False
+        outcome = replace(outcome, canary=canary)
         self._current, self._canary, self.sync_count = outcome, canary, outcome.sync_id
         self._versions = [v for v in self._versions if v.adapter in outcome.kept] + [outcome]
         if outcome.base is not None:
@@ -126,7 +128,8 @@ class ServerWeightSync:
         load_s = max(f.result() for f in futures)
         # a restarted server loads the current sync, and a batch in flight its own: nothing else
         remove_older_syncs(root, self._run, [folder] + [v.folder for v in self._versions if v.adapter in kept])
-        return replace(self._current, load_s=load_s, seconds=time.perf_counter() - start, kept=tuple(kept))
+        return replace(self._current, load_s=load_s, seconds=time.perf_counter() - start, kept=tuple(kept),
+                       canary=None)  # every rank has its own
 
     def _load(self, server: ServerClient, sync: Published, paused: bool) -> float:
         """Load ``sync`` into ``server`` and verify it (caller holds ``server.lock``); its load seconds. An adapter
@@ -169,24 +172,37 @@ class ServerWeightSync:
         return float(loaded.get("seconds") or 0.0)
 
     def _verify(self, server: ServerClient, sync: Published) -> None:
-        """The canary: the server's log-probs of a fixed sequence (under the sync's adapter, if any) equal the
-        trainer's at that sync within the tolerance."""
-        ids, expected = sync.canary.ids, sync.canary.logprobs
+        """The canary: the server's log-probs of a fixed sequence (under the sync's adapter: of the tokens it samples
+        after prefixes of it, :class:`~rloo_lightning.engines.vllm_sync.Canary`) equal the trainer's at that sync
+        within the tolerance."""
+        canary = sync.canary
         try:
-            answer = server.call("/v1/completions", {"model": served(server, sync), "prompt": ids, "max_tokens": 1,
-                                                     "temperature": 1.0, "prompt_logprobs": 0, "seed": 0},
-                                 timeout=self._row_timeout(server))
+            if canary.rows is None:
+                answer = self._canary_call(server, sync, canary.ids, prompt_logprobs=0)
+                steps = answer["choices"][0]["prompt_logprobs"][1:]
+                got = [float(step[str(tok)]["logprob"]) for tok, step in zip(canary.ids[1:], steps)]
+                gap = max(abs(a - b) for a, b in zip(got, canary.logprobs))
+            else:
+                gap = 0.0
+                for row, prefix in zip(canary.rows, canary.prefixes):
+                    choice = self._canary_call(server, sync, canary.ids[:prefix], logprobs=0, seed=prefix,
+                                               return_token_ids=True)["choices"][0]
+                    token, got = choice["token_ids"][0], float(choice["logprobs"]["token_logprobs"][0])
+                    gap = max(gap, abs(got - float(row[token])))
         except ServerRefused as err:
             raise ServerFailed(f"VLLMServerEngine: {server.url} refused the canary of weight sync "
                                f"{sync.tag}: {err}") from None
-        steps = answer["choices"][0]["prompt_logprobs"][1:]
-        got = [float(step[str(tok)]["logprob"]) for tok, step in zip(ids[1:], steps)]
-        gap = max(abs(a - b) for a, b in zip(got, expected))
         if not gap <= self.canary_tolerance:
             what = f"weights (adapter {sync.adapter} on its base)" if sync.adapter else "weights"
             raise ServerFailed(f"VLLMServerEngine: after weight sync {sync.tag}, {server.url} gives canary "
                                f"log-probs up to {gap:.3g} from the trainer's (canary_tolerance="
                                f"{self.canary_tolerance:g}): the server samples from other {what} than the policy's")
+
+    def _canary_call(self, server: ServerClient, sync: Published, prompt: list[int], **fields) -> dict:
+        """One canary completion of ``prompt``: one token, at temperature 1, under ``sync``'s adapter if any."""
+        body = {"model": served(server, sync), "prompt": prompt, "max_tokens": 1, "temperature": 1.0, "seed": 0,
+                "request_id": f"rloo-canary-{self._run}-{uuid.uuid4().hex[:8]}", **fields}
+        return server.call("/v1/completions", body, timeout=self._row_timeout(server))
 
     def _canary_ids(self, model) -> list[int]:
         if self._canary is not None:

@@ -20,17 +20,24 @@ from torch import Tensor
 from rloo_lightning.engines.vllm_common import named_weights
 
 __all__ = ["Canary", "Published", "agreed", "canary_ids", "canary_logprobs", "memory_folder",
-           "remove_older_syncs", "sync_folder", "weights_to_write", "world", "write_sync_folder"]
+           "remove_older_syncs", "sampled_canary", "sync_folder", "weights_to_write", "world", "write_sync_folder"]
 
 _CANARY_SEED = 20240214
 
 
 @dataclass(frozen=True)
 class Canary:
-    """A fixed token sequence and the trainer's log-probs of each token after the first: a server's must match."""
+    """A fixed token sequence and the trainer's log-probs of each token after the first: a server's must match.
+
+    An adapter sync's canary (``rows`` set) is checked on tokens the server samples instead, at the end of a few
+    prefixes of the sequence: vLLM (0.32) computes the prompt log-probs of a request under a LoRA adapter wrongly, or
+    fails, when other requests share its batch, as the rows of earlier syncs do while an adapter sync loads
+    (``keeps_versions``). ``rows`` ``[len(prefixes), V]``: the trainer's log-probs of every token after each prefix."""
 
     ids: list[int]
     logprobs: list[float]
+    prefixes: tuple[int, ...] = ()
+    rows: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -138,9 +145,9 @@ def canary_ids(vocab_size: int, length: int) -> list[int]:
     return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
 
 
-def canary_logprobs(model, ids: list[int]) -> list[float]:
-    """The policy's log-probs of ``ids[1:]`` given the tokens before each (eval mode, the weights' own precision:
-    autocast off, as the server computes in its dtype, not in a mixed-precision trainer's)."""
+def _canary_table(model, ids: list[int]) -> Tensor:
+    """``[len(ids) - 1, V]`` the policy's log-probs of the next token after each prefix of ``ids`` (eval mode, the
+    weights' own precision: autocast off, as the server computes in its dtype, not in a mixed-precision trainer's)."""
     device = next(model.parameters()).device
     x = torch.tensor([ids], device=device)
     was_training = model.training
@@ -150,4 +157,19 @@ def canary_logprobs(model, ids: list[int]) -> list[float]:
             logits = model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False).logits[0, :-1].float()
     finally:
         model.train(was_training)
-    return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].tolist()
+    return torch.log_softmax(logits, -1)
+
+
+def canary_logprobs(model, ids: list[int]) -> list[float]:
+    """The policy's log-probs of ``ids[1:]`` given the tokens before each."""
+    table = _canary_table(model, ids)
+    return table.gather(-1, torch.tensor(ids[1:], device=table.device)[:, None])[:, 0].tolist()
+
+
+def sampled_canary(model, ids: list[int], positions: int = 8) -> Canary:
+    """An adapter sync's canary (see :class:`Canary`): ``positions`` prefixes of ``ids`` spread over its length, and
+    the policy's log-probs of every token after each."""
+    last = len(ids) - 1
+    prefixes = tuple(sorted({1 + i * (last - 1) // max(1, positions - 1) for i in range(min(positions, last))}))
+    table = _canary_table(model, ids)
+    return Canary(ids, [], prefixes, table[[p - 1 for p in prefixes]].cpu())

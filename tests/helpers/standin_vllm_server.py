@@ -391,9 +391,12 @@ class StandinVLLM:
     @staticmethod
     def kind(method: str, path: str, body: dict | None) -> str:
         """A request's kind, for faults and the log: "row" (a completion), "canary" (a completion with
-        ``prompt_logprobs``), "rpc:<method>" (``/collective_rpc``), else the path ("/health", "/pause", ...)."""
+        ``prompt_logprobs``, or an adapter sync's, whose request id says so), "rpc:<method>" (``/collective_rpc``),
+        else the path ("/health", "/pause", ...)."""
         if path == "/v1/completions":
-            return "canary" if (body or {}).get("prompt_logprobs") is not None else "row"
+            body = body or {}
+            canary = body.get("prompt_logprobs") is not None or str(body.get("request_id")).startswith("rloo-canary")
+            return "canary" if canary else "row"
         if path == "/collective_rpc":
             return f"rpc:{(body or {}).get('method')}"
         return path
@@ -749,6 +752,8 @@ class StandinVLLM:
                     processed = torch.log_softmax(logits, -1)
                     token = int(torch.multinomial(processed.exp(), 1, generator=generator))
                     logp = float(processed[token])
+                if str(body.get("request_id")).startswith("rloo-canary"):
+                    logp += self.canary_offset  # an adapter sync's canary: on the tokens sampled
                 ids.append(token)
                 out.append(token)
                 logps.append(logp)
