@@ -136,14 +136,19 @@ def test_without_its_server_a_checkpoint_tests_with_the_default_engine_at_once(r
 
 
 @vllm_test
+@pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_ranks_share_one_server_under_ddp_and_fsdp2(tmp_path, vllm_server, server_model_dir, strategy):
+def test_two_ranks_share_one_server_under_ddp_and_fsdp2(tmp_path, vllm_server, server_model_dir, strategy, lora):
+    # lora: a LoRA policy synced as adapters with a lag of 2, its rollouts in flight across steps on both ranks
     extra = ["--trainer.strategy", "ddp", "--trainer.devices", "2"] if strategy == "ddp" else []
-    args = _fit(tmp_path, server_model_dir, vllm_server.url, 3, *extra,
+    args = _fit(tmp_path, server_model_dir, vllm_server.url, 3, *extra, *(LORA_LAG if lora else []),
                 config="fsdp2_cpu.yaml" if strategy == "fsdp2" else "quickstart.yaml")
     run_cli(strategy, args, tmp_path, _env(tmp_path)).check()
     scalars = read_scalars(tmp_path / "lightning_logs" / "version_0")
-    assert len(scalars["train/weight_sync_mb"]) == 3 and min(scalars["train/weight_sync_mb"].values()) > 0.1
+    synced = [scalars["train/weight_sync_mb"][g] for g in range(3)]
+    assert min(synced) > 0.1 if not lora else synced[0] > 0.1 > max(synced[1:]), synced
+    if lora:
+        assert [scalars["train/staleness"][g] for g in range(3)] == [0, 1, 2]
 
 
 @vllm_test

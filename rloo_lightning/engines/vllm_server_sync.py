@@ -182,11 +182,12 @@ class ServerWeightSync:
                 steps = answer["choices"][0]["prompt_logprobs"][1:]
                 got = [float(step[str(tok)]["logprob"]) for tok, step in zip(canary.ids[1:], steps)]
                 gap = max(abs(a - b) for a, b in zip(got, canary.logprobs))
-            else:
+            else:  # the prefixes at once: one batch on the server
+                calls = [self._rows_pool.submit(self._canary_call, server, sync, canary.ids[:prefix], logprobs=0,
+                                                seed=prefix, return_token_ids=True) for prefix in canary.prefixes]
                 gap = 0.0
-                for row, prefix in zip(canary.rows, canary.prefixes):
-                    choice = self._canary_call(server, sync, canary.ids[:prefix], logprobs=0, seed=prefix,
-                                               return_token_ids=True)["choices"][0]
+                for row, call in zip(canary.rows, calls):
+                    choice = call.result()["choices"][0]
                     token, got = choice["token_ids"][0], float(choice["logprobs"]["token_logprobs"][0])
                     gap = max(gap, abs(got - float(row[token])))
         except ServerRefused as err:
