@@ -59,6 +59,7 @@ def test_without_vllm_setup_says_how_to_install_it(monkeypatch):
         VLLMEngine().check(torch.device("cpu"))
 
 
+@pytest.mark.slow  # over ~5 s (the fast loop: pytest -m "not slow")
 def test_importing_the_package_and_the_engine_does_not_import_vllm():
     import subprocess
     import sys

@@ -358,6 +358,7 @@ def test_a_server_stopped_then_continued_recovers_and_one_shut_down_ends_in_one_
         server.kill()
 
 
+@pytest.mark.slow  # over ~5 s (the fast loop: pytest -m "not slow")
 def test_the_client_does_not_import_vllm():
     import subprocess
     import sys

@@ -168,6 +168,7 @@ def test_test_evaluates_the_test_file_with_the_validation_metrics(trained, tiny_
     assert result["test/reward_greedy"] == pytest.approx(greedy.rewards.mean().item(), abs=1e-6)
 
 
+@pytest.mark.slow  # over ~5 s (the fast loop: pytest -m "not slow")
 def test_test_without_a_test_file_evaluates_the_validation_split(trained, tiny_model_dir, tmp_path):
     data = _data(tiny_model_dir, task="reverse", num_train_rows=8, num_val_rows=8)
     (result,) = _trainer(tmp_path).test(trained[0], datamodule=data)

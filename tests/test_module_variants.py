@@ -152,6 +152,7 @@ def test_aggregations_by_hand(tiny_model_dir, mode):
     _compare(module, rollout, expected)
 
 
+@pytest.mark.slow  # over ~5 s (the fast loop: pytest -m "not slow")
 @pytest.mark.parametrize("options", [
     {"update": {"loss_aggregation": "token_mean"}},
     {"kl": {"placement": "token_reward"}, "update": {"loss_aggregation": "seq_mean_token_mean"}},

@@ -163,6 +163,7 @@ def _policy(ckpt_path) -> dict:
     return {k: v for k, v in state["state_dict"].items() if k.startswith("policy.")}, state
 
 
+@pytest.mark.slow  # over ~5 s (the fast loop: pytest -m "not slow")
 @pytest.mark.parametrize("lag,accumulate", [(1, 1), (2, 1), (1, 2)])
 def test_a_resumed_run_ends_bit_identical_to_the_uninterrupted_one(tiny_model_dir, tmp_path, lag, accumulate):
     # 16 rows, batches of 4: an epoch is 4 batches; 6 steps cross it (accumulate 2: 2 steps an epoch, the resume

@@ -276,6 +276,7 @@ def _context_probability(mt, p, y):
     return torch.exp(exactness_multiturn_py._context_logprob(mt.toy.policy_table, mt.toy, ids, y))
 
 
+@pytest.mark.slow  # over ~5 s (the fast loop: pytest -m "not slow")
 def test_multiturn_training_step_is_unbiased(multiturn_toy):
     """The default (k = 4, beta = 0.1); the single-turn tests cover the other k and beta (the suite's time budget)."""
     result = check_multiturn_step(multiturn_toy, DRAWS)
@@ -300,6 +301,7 @@ def _environment_tokens_as_policy_tokens(monkeypatch, loss: bool, kl: bool):
             rewards, logp, ref, last["context"], *a))
 
 
+@pytest.mark.slow  # over ~5 s (the fast loop: pytest -m "not slow")
 @pytest.mark.parametrize("loss,kl", [(True, True), (False, True)], ids=["trains-on-env-tokens", "env-tokens-kl"])
 def test_multiturn_steps_that_count_environment_tokens_are_measured_as_biased(multiturn_toy, monkeypatch, loss, kl):
     _environment_tokens_as_policy_tokens(monkeypatch, loss, kl)
