@@ -52,7 +52,7 @@ from rloo_lightning.engines.vllm_common import (
 from rloo_lightning.engines.vllm_http import ServerClient, ServerDown, ServerFailed, ServerRefused, attempts, stopper
 from rloo_lightning.engines.vllm_lora import check_adapter_sync, is_lora_policy, lora_rank
 from rloo_lightning.engines.vllm_server_sync import ServerWeightSync, holds, served
-from rloo_lightning.engines.vllm_sync import Canary, Published, world
+from rloo_lightning.engines.vllm_sync import Published, world
 from rloo_lightning.runtime import sigterm
 
 __all__ = ["ServerBatch", "VLLMServerEngine"]
@@ -69,7 +69,7 @@ class ServerBatch:
     stem: str  # the request ids' stem: "<stem>-<row>-a<attempt>"
     start: float  # time.perf_counter() at submit
     cancelled: threading.Event  # set: rows not sent yet are not sent (the batch was aborted)
-    sync: Published | None = None  # the sync its rows sample from (an adapter sync: its adapter, to the end)
+    sync: Published  # the sync its rows sample from (an adapter sync: its adapter, to the end)
 
 
 class VLLMServerEngine(ServerWeightSync, GenerationEngine):
@@ -168,9 +168,7 @@ class VLLMServerEngine(ServerWeightSync, GenerationEngine):
         self._rows_pool: cf.ThreadPoolExecutor | None = None
         self._pending: list[Submitted] = []
         self._run = uuid.uuid4().hex[:8]
-        self._current: Published | None = None  # the last sync (every rank knows it after a sync)
-        self._versions: list[Published] = []  # the syncs that batches in flight may sample from, the current last
-        self._canary: Canary | None = None
+        self._current: Published | None = None  # the last sync (every rank knows it after a sync, with its own canary)
         self._adapters = False  # the policy's adapter is synced alone (lora_sync: adapter, a LoRA policy)
         self._base: Published | None = None  # its base, written at the run's first sync
         self._made_dir: str | None = None
@@ -408,6 +406,6 @@ class VLLMServerEngine(ServerWeightSync, GenerationEngine):
 
     def __getstate__(self) -> dict:  # a deep copy or pickle of the module carries the options, not the connections
         state = dict(self.__dict__)
-        state.update(_servers=None, _pool=None, _rows_pool=None, _pending=[], stale=True, _canary=None, _made_dir=None,
-                     _base=None, _current=None, _versions=[])
+        state.update(_servers=None, _pool=None, _rows_pool=None, _pending=[], stale=True, _made_dir=None, _base=None,
+                     _current=None)
         return state

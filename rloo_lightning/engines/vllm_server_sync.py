@@ -72,8 +72,7 @@ class ServerWeightSync:
         if outcome is None:
             return False
         outcome = replace(outcome, canary=canary)
-        self._current, self._canary, self.sync_count = outcome, canary, outcome.sync_id
-        self._versions = [v for v in self._versions if v.adapter in outcome.kept] + [outcome]
+        self._current, self.sync_count = outcome, outcome.sync_id
         if outcome.base is not None:
             self._base = outcome.base
         self.stale = False
@@ -107,10 +106,10 @@ class ServerWeightSync:
             written = write_adapter_folder(folder, model, tensors) + (size if base is not None else 0)
             self._current = Published(folder, tag, sync_id, len(tensors), written,
                                       adapter=adapter_name(sync_id, self._run), base=self._base, canary=canary)
-        self._canary = canary
-        # the adapters of the batches still in flight (every rank's are these: each collects its batches at the same
-        # steps, before that step's collectives), kept loaded beside the new one
-        kept = sorted({b.key.sync.adapter for b in self._pending if b.key.sync is not None} - {None})
+        # the syncs of the batches still in flight (every rank's are these: each collects its batches at the same
+        # steps, before that step's collectives): their adapters stay loaded beside the new one
+        in_flight = [b.key.sync for b in self._pending]
+        kept = sorted({s.adapter for s in in_flight} - {None})
         cancelled = threading.Event()
         stop = stopper(cancelled)
         sync = self._current
@@ -127,8 +126,8 @@ class ServerWeightSync:
             return None
         load_s = max(f.result() for f in futures)
         # a restarted server loads the current sync, and a batch in flight its own: nothing else
-        remove_older_syncs(root, self._run, [folder] + [v.folder for v in self._versions if v.adapter in kept])
-        return replace(self._current, load_s=load_s, seconds=time.perf_counter() - start, kept=tuple(kept),
+        remove_older_syncs(root, self._run, [folder] + [s.folder for s in in_flight if s.adapter])
+        return replace(self._current, load_s=load_s, seconds=time.perf_counter() - start,
                        canary=None)  # every rank has its own
 
     def _load(self, server: ServerClient, sync: Published, paused: bool) -> float:
@@ -206,8 +205,8 @@ class ServerWeightSync:
         return server.call("/v1/completions", body, timeout=self._row_timeout(server))
 
     def _canary_ids(self, model) -> list[int]:
-        if self._canary is not None:
-            return self._canary.ids
+        if self._current is not None:
+            return self._current.canary.ids
         limit = min(server.max_model_len or self.canary_tokens + 1 for server in self._servers)
         return canary_ids(base_model(model).config.vocab_size, max(2, min(self.canary_tokens, limit - 1)))
 

@@ -54,7 +54,6 @@ class Published:
     adapter: str | None = None  # an adapter sync (lora_sync: adapter): the adapter's name on the servers
     base: Published | None = None  # and the base it adapts (bytes: what this sync wrote, the base at the first)
     canary: Canary | None = None  # the trainer's log-probs of the canary at this sync (a reload is verified by it)
-    kept: tuple[str, ...] = ()  # the adapters of batches in flight that stayed loaded beside this one
 
 
 def world() -> tuple[int, int]:
