@@ -1,4 +1,4 @@
-from rloo_lightning.cli import main
+from rloo_lightning.cli import run
 
 if __name__ == "__main__":
-    main()
+    run()

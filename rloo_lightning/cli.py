@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -287,8 +288,25 @@ def _set_checkpoint_defaults(parser, model: dict, data: dict) -> str | None:
     return missing
 
 
+def run() -> None:
+    """The ``rloo-lightning`` command and ``python -m rloo_lightning``: :func:`main`, then a quick exit.
+
+    When a process ends, Python's last garbage collections scan every object of every module imported (torch,
+    lightning and transformers leave about 360,000 of them): 1.6 s of a 4-step tiny fit's 7.8 s on this
+    project's 2-core machine. So once the command is over, what is garbage is collected as at any exit (files
+    closed, buffers flushed), and what is left, all reachable from the modules, is frozen out of those scans
+    (``gc.freeze``). Every file the command wrote is closed by then; only a cycle that the interpreter's own
+    teardown would have freed keeps its finalizer unrun. :func:`main` itself, called in a process that goes on,
+    leaves the collector alone."""
+    try:
+        main()
+    finally:
+        gc.collect()
+        gc.freeze()
+
+
 def main(args: list[str] | None = None) -> None:
-    """Entry point of ``rloo-lightning`` and ``python -m rloo_lightning``."""
+    """The CLI: ``args`` (default ``sys.argv[1:]``) as ``rloo-lightning`` takes them (:func:`run` is the command)."""
     # Reward functions and class_path values in the working directory (myreward.py next to the
     # data) are importable; appended, so a user's datasets.py cannot shadow a dependency. DDP ranks
     # re-run this command, so they get it too; reward workers get the parent's directory.
