@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from cli_preload import Preloaded
+
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 HELPERS_DIR = TESTS / "helpers"  # this folder: on sys.path in the tests (pyproject's pythonpath), PYTHONPATH in a run
@@ -58,8 +60,13 @@ class Proc:
         self._out = open(cwd / f"{name}.stdout", "w")
         self._err = open(cwd / f"{name}.stderr", "w")
         self.start = time.monotonic()
-        self.popen = subprocess.Popen(cmd, cwd=cwd, env=env if env is not None else make_env(),
-                                      stdout=self._out, stderr=self._err, start_new_session=True)
+        env = env if env is not None else make_env()
+        server = Preloaded.for_env(make_env(), env) if cmd[:len(CLI)] == CLI else None
+        if server is not None:  # the same run, forked from a process that has imported the CLI already
+            self.popen = server.start(cmd[len(CLI):], cwd, env, self._out.name, self._err.name)
+        else:
+            self.popen = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=self._out, stderr=self._err,
+                                          start_new_session=True)
 
     def wait(self) -> "Proc":
         if self._out.closed:
