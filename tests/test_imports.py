@@ -14,7 +14,12 @@ Edges: ``import a.b.c`` and ``from a.b.c import x`` point at ``a.b.c`` only (not
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = "rloo_lightning"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
@@ -137,6 +142,15 @@ def _is_simple_assignment(node: ast.stmt) -> bool:
     return True
 
 
+def _is_collector_pause(node: ast.stmt) -> bool:
+    """The package's one exception: its top ``__init__.py`` pauses the cyclic collector while it imports
+    (``_gc.disable()``, then a ``try`` of imports only whose ``finally`` resumes it as it was)."""
+    if isinstance(node, (ast.Expr, ast.Assign)):
+        return ast.unparse(node) in ("_collecting = _gc.isenabled()", "_gc.disable()")
+    return isinstance(node, ast.Try) and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in node.body) \
+        and not node.handlers and "_gc.enable()" in ast.unparse(node.finalbody)
+
+
 def test_init_files_only_re_export():
     offenders = []
     for path in sorted(ROOT.rglob("__init__.py")):
@@ -145,6 +159,8 @@ def test_init_files_only_re_export():
             docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) \
                 and isinstance(node.value.value, str)
             if docstring or isinstance(node, (ast.Import, ast.ImportFrom)) or _is_simple_assignment(node):
+                continue
+            if path == ROOT / "__init__.py" and _is_collector_pause(node):
                 continue
             offenders.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {type(node).__name__}")
     assert not offenders, (
@@ -158,3 +174,18 @@ def test_no_module_of_the_package_is_over_500_lines_and_the_step_over_450():
     long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
     assert not long, long
     assert len((ROOT / "module.py").read_text().splitlines()) <= 450
+
+
+@pytest.mark.slow  # a fresh interpreter: what importing the package does to the collector
+def test_importing_the_package_pauses_the_collector_and_resumes_it_as_it_was():
+    code = ("import gc, sys\n"
+            "if sys.argv[1] == 'off':\n    gc.disable()\n"
+            "before = gc.get_stats()[2]['collections']\n"
+            "import rloo_lightning\n"
+            "print(gc.get_stats()[2]['collections'] - before, gc.isenabled())")
+    runs = {state: subprocess.run([sys.executable, "-c", code, state], capture_output=True, text=True, check=True,
+                                  env=dict(os.environ, OMP_NUM_THREADS="1")).stdout.split()
+            for state in ("on", "off")}
+    # no full collection while torch, lightning and transformers are imported (6 without the pause); the
+    # collector as it was before, on or off
+    assert runs == {"on": ["0", "True"], "off": ["0", "False"]}, runs
