@@ -10,7 +10,7 @@ import subprocess
 import time
 
 import pytest
-from cli_harness import CLI, Proc, make_env
+from cli_harness import CLI, CONFIGS, Proc, make_env
 from cli_preload import NO_PRELOAD_ENV, ForkedRun, Preloaded, compatible
 
 pytestmark = pytest.mark.slow  # a server process (one import of the CLI), then forked runs
@@ -31,20 +31,27 @@ def test_a_forked_run_has_the_status_output_and_working_directory_of_a_plain_one
     assert bad.rc == plain.rc == 2 and bad.stderr == plain.stderr, (bad.explain(), plain.explain())
 
 
-def test_a_forked_run_is_signalled_and_killed_by_its_pid_and_group(tmp_path):
-    # a run still in its set-up a second after it started (its prompt file a FIFO nobody writes): signalled there
-    fifo = tmp_path / "rows.jsonl"
-    os.mkfifo(fifo)
-    args = ["predict", "--model.model_name_or_path", "tiny:reverse", "--data.predict_file", str(fifo)]
-    term, killed = _run(tmp_path, "term", args), _run(tmp_path, "killed", args)
-    for proc in (term, killed):
-        assert isinstance(proc.popen, ForkedRun) and proc.popen.poll() is None
+def test_a_forked_run_is_signalled_and_killed_by_its_pid_and_group(tmp_path, tiny_model_dir, _cache_dir):
+    # Two fits whose reward never returns (an hour's sleep in its first call): signalled once both are inside it.
+    args = ["fit", "--config", CONFIGS / "quickstart.yaml", "--model.model_name_or_path", tiny_model_dir,
+            "--data.num_val_rows", "8", "--model.rewards.funcs", "[stop_helpers.reward_that_presses_ctrl_c]"]
+    logs = {name: tmp_path / f"{name}.events" for name in ("term", "killed")}
+    runs = {name: Proc(name, [*CLI, *map(str, args), "--trainer.default_root_dir", str(tmp_path / name)], tmp_path,
+                       make_env(_cache_dir, STOP_LOG=str(log), STOP_AT_CALL="1000000", REWARD_SECONDS="3600"),
+                       timeout=120)
+            for name, log in logs.items()}
+    for name, proc in runs.items():
+        assert isinstance(proc.popen, ForkedRun)
         assert os.getsid(proc.popen.pid) == proc.popen.pid  # a session (and a process group) of its own
-    time.sleep(1.0)
-    term.popen.send_signal(signal.SIGTERM)
-    os.killpg(killed.popen.pid, signal.SIGKILL)
-    assert killed.wait().rc == -signal.SIGKILL
-    assert term.wait().rc in (143, -signal.SIGTERM), term.explain()  # the CLI's stop, or the default action
+        while "reward" not in (logs[name].read_text() if logs[name].exists() else ""):
+            assert proc.popen.poll() is None, proc.wait().explain()
+            time.sleep(0.1)
+    runs["term"].popen.send_signal(signal.SIGTERM)
+    os.killpg(runs["killed"].popen.pid, signal.SIGKILL)
+    assert runs["killed"].wait().rc == -signal.SIGKILL
+    term = runs["term"].wait()
+    assert term.rc == 143 and not term.timed_out, term.explain()  # the CLI's own stop, reported as it exited
+    assert "stopped by SIGTERM" in term.stderr, term.explain()
 
 
 def test_only_a_run_in_the_usual_environment_is_forked():
