@@ -292,12 +292,12 @@ def run() -> None:
     """The ``rloo-lightning`` command and ``python -m rloo_lightning``: :func:`main`, then a quick exit.
 
     When a process ends, Python's last garbage collections scan every object of every module imported (torch,
-    lightning and transformers leave about 360,000 of them): 1.6 s of a 4-step tiny fit's 7.8 s on this
-    project's 2-core machine. So once the command is over, what is garbage is collected as at any exit (files
-    closed, buffers flushed), and what is left, all reachable from the modules, is frozen out of those scans
-    (``gc.freeze``). Every file the command wrote is closed by then; only a cycle that the interpreter's own
-    teardown would have freed keeps its finalizer unrun. :func:`main` itself, called in a process that goes on,
-    leaves the collector alone."""
+    lightning and transformers leave about 360,000 of them). So once the command is over, what is garbage is
+    collected as at any exit (files closed, buffers flushed), and what is left, all reachable from the modules, is
+    frozen out of those scans (``gc.freeze``): a 4-step tiny fit's process takes 5.72 s instead of 6.64 s on this
+    project's 2-core machine (medians of 5; benchmarks/README.md). Every file the command wrote is closed by then;
+    only a cycle that the interpreter's own teardown would have freed keeps its finalizer unrun. :func:`main`
+    itself, called in a process that goes on, leaves the collector alone."""
     try:
         main()
     finally:
