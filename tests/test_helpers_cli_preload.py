@@ -16,19 +16,22 @@ from cli_preload import NO_PRELOAD_ENV, ForkedRun, Preloaded, compatible
 pytestmark = pytest.mark.slow  # a server process (one import of the CLI), then forked runs
 
 
-def _run(tmp_path, name: str, args: list[str], env: dict | None = None) -> Proc:
-    return Proc(name, [*CLI, *args], tmp_path, env if env is not None else make_env())
+def _run(tmp_path, name: str, args: list[str], env: dict | None = None, combined: bool = False) -> Proc:
+    return Proc(name, [*CLI, *args], tmp_path, env if env is not None else make_env(), combined=combined)
 
 
-def test_a_forked_run_has_the_status_output_and_working_directory_of_a_plain_one(tmp_path):
+def test_a_forked_run_has_the_status_and_output_of_a_plain_one(tmp_path):
     ok = _run(tmp_path, "help", ["fit", "--help"]).wait()
     bad = _run(tmp_path, "bad", ["fit", "--no_such_option", "1"]).wait()
+    bad_combined = _run(tmp_path, "bad_combined", ["fit", "--no_such_option", "1"], combined=True).wait()
     plain_env = make_env(**{NO_PRELOAD_ENV: "1"})
-    plain = _run(tmp_path, "plain", ["fit", "--no_such_option", "1"], plain_env).wait()
-    assert isinstance(ok.popen, ForkedRun) and isinstance(bad.popen, ForkedRun)
+    plain = _run(tmp_path, "plain", ["fit", "--no_such_option", "1"], plain_env, combined=True).wait()
+    assert all(isinstance(p.popen, ForkedRun) for p in (ok, bad, bad_combined))
     assert isinstance(plain.popen, subprocess.Popen)
     assert ok.rc == 0 and "--model.sampling.k" in ok.stdout, ok.explain()
-    assert bad.rc == plain.rc == 2 and bad.stderr == plain.stderr, (bad.explain(), plain.explain())
+    assert bad.rc == bad_combined.rc == plain.rc == 2, (bad.explain(), plain.explain())
+    assert "no_such_option" in bad.stderr and not bad.stdout  # the one-line error, on stderr
+    assert bad_combined.stdout == plain.stdout == bad.stderr and bad_combined.stderr == plain.stderr == ""
 
 
 def test_a_forked_run_is_signalled_and_killed_by_its_pid_and_group(tmp_path, tiny_model_dir, _cache_dir):

@@ -22,7 +22,7 @@ SOURCE_PATH = re.compile(r"\.py:\d+:")
 # --- the real command, its output in a file ---------------------------------------------------------------------
 def _combined(name: str, args: list, cwd: Path, env: dict) -> Proc:
     """The CLI with stdout and stderr in one file (``<cwd>/<name>.stdout``), as a cluster's job log."""
-    return Proc(name, ["sh", "-c", 'exec "$@" 2>&1', "sh", *CLI, *map(str, args)], cwd, env)
+    return Proc(name, [*CLI, *map(str, args)], cwd, env, combined=True)
 
 
 def _data_args(model_dir: str, root: Path) -> list:

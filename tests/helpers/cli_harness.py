@@ -50,10 +50,11 @@ def make_env(cache: str | os.PathLike | None = None, **extra: str | None) -> dic
 
 
 class Proc:
-    """A subprocess with its output in files; ``wait`` kills its process group at ``timeout`` (from the start)."""
+    """A subprocess with its output in files; ``wait`` kills its process group at ``timeout`` (from the start).
+    ``combined``: stderr into the stdout file too (``2>&1``, as a cluster's job log), the stderr file left empty."""
 
     def __init__(self, name: str, cmd: list[str], cwd: Path, env: dict | None = None,
-                 timeout: float = TIMEOUT) -> None:
+                 timeout: float = TIMEOUT, combined: bool = False) -> None:
         cwd = Path(cwd)
         cwd.mkdir(parents=True, exist_ok=True)
         self.name, self.cmd, self.cwd, self.timeout, self.timed_out = name, cmd, cwd, timeout, False
@@ -63,10 +64,11 @@ class Proc:
         env = env if env is not None else make_env()
         server = Preloaded.for_env(make_env(), env) if cmd[:len(CLI)] == CLI else None
         if server is not None:  # the same run, forked from a process that has imported the CLI already
-            self.popen = server.start(cmd[len(CLI):], cwd, env, self._out.name, self._err.name)
+            self.popen = server.start(cmd[len(CLI):], cwd, env, self._out.name,
+                                      self._out.name if combined else self._err.name)
         else:
-            self.popen = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=self._out, stderr=self._err,
-                                          start_new_session=True)
+            self.popen = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=self._out,
+                                          stderr=subprocess.STDOUT if combined else self._err, start_new_session=True)
 
     def wait(self) -> "Proc":
         if self._out.closed:

@@ -109,8 +109,12 @@ def _become(request: dict) -> None:
     import runpy
 
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(out, 1)
+    if request["stderr"] == request["stdout"]:  # 2>&1: one open file for both, so neither overwrites the other
+        os.dup2(out, 2)
+    else:
+        os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
