@@ -169,3 +169,27 @@ def test_prediction_writer_refuses_an_existing_file_at_setup(tmp_path):
     PredictionWriter(str(tmp_path / "new.jsonl")).setup(ranks, None, "predict")  # rank 0's own file is free
     with pytest.raises(FileExistsError, match="new.rank1.jsonl exists"):
         PredictionWriter(str(tmp_path / "new.jsonl")).check(ranks, every_rank=True)
+
+
+# -- the parsers built: the named subcommand's only ----------------------------------------------------------------
+def test_only_the_subcommand_named_has_its_parser_built():
+    from rloo_lightning.cli import RLOOCLI
+
+    cli = RLOOCLI.__new__(RLOOCLI)  # what subcommands() reads, without building a parser
+    for only, built in (("fit", ["fit"]), ("test", ["test"]), (None, ["fit", "validate", "test", "predict"]),
+                        ("export", ["fit", "validate", "test", "predict"])):
+        cli.only = only
+        assert list(cli.subcommands()) == built
+
+
+def test_a_command_without_or_with_a_misspelt_subcommand_still_lists_all_four(no_model, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("fit", "validate", "test", "predict")), out
+    assert _error(capsys, ["fitt", "--config", QUICKSTART], 2).startswith(
+        "error: argument subcommand: invalid choice: 'fitt' (choose from 'fit', 'validate', 'test', 'predict')")
+    with pytest.raises(SystemExit) as exit_:
+        main(["predict", "--help"])
+    assert exit_.value.code == 0 and "--data.predict_file" in capsys.readouterr().out
