@@ -262,7 +262,10 @@ def test_a_restart_under_an_older_batch_loads_that_batchs_adapter_again_and_veri
     log = [e for e in lora_server.log[start:] if e.get("outcome") == "200"]
     kinds = [e["kind"] for e in log]
     assert kinds.index("rpc:rloo_load") < kinds.index("/v1/load_lora_adapter") < kinds.index("canary")
-    assert kinds.index("canary") < kinds.index("row") and kinds.count("/v1/load_lora_adapter") == 1
+    # Rows sent between the batch's check and the restart reach the new boot first (answered from its dummy base,
+    # or refused for want of their adapter): the batch's second check finds the restart and samples them again,
+    # after the canary.
+    assert kinds[kinds.index("canary"):].count("row") >= ROWS and kinds.count("/v1/load_lora_adapter") == 1
     start = len(lora_server.log)
     out, logp = engine.generate(lora, tok, ids, mask, config, seed=5)  # the current sync's adapter, loaded again
     assert _sampled_with(lora, second, ids, mask, out, logp, tok.pad_token_id)

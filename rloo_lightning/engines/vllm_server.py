@@ -323,7 +323,10 @@ class VLLMServerEngine(ServerWeightSync, GenerationEngine):
                 if down.answering:  # it may still be generating it (a hang, a timeout): dropped there first
                     server.abort(request_id)
                 raise
-            except ServerRefused as err:  # a 4xx: the request itself is wrong, another attempt would be refused too
+            except ServerRefused as err:  # a 4xx: the request itself is wrong, another attempt would be refused too,
+                if sync.adapter and err.status == 404:  # except a 404 for the row's adapter: the server restarted
+                    # after the batch's check (it lost its adapters), so the next attempt loads it again first
+                    raise ServerDown(server.url, f"does not hold adapter {body['model']} (restarted?)") from None
                 raise ServerFailed(f"VLLMServerEngine: {server.url} refused a completion request: {err}") from None
             choice = answer["choices"][0]
             if choice.get("finish_reason") == "abort":  # not a sample: vLLM shutting down, or paused with mode=abort
