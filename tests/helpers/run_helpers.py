@@ -101,9 +101,13 @@ def _step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _check_checkpoint_folder(folder: Path) -> dict[Path, int]:
-    """Every file in ``folder`` is a ``.ckpt`` that loads, with the global step its name says."""
+def _check_checkpoint_folder(folder: Path, killed: int | None = None) -> dict[Path, int]:
+    """Every file in ``folder`` is a ``.ckpt`` that loads, with the global step its name says. ``killed``: the pid
+    of a process SIGKILLed while it wrote here, whose hidden temporary files (``.<name>.tmp-<pid>@<host>-...``, which
+    the next save into the folder removes) are set aside."""
     files = sorted(folder.iterdir()) if folder.exists() else []
+    if killed is not None:
+        files = [f for f in files if not (f.name.startswith(".") and f".tmp-{killed}@" in f.name)]
     strays = [f.name for f in files if f.suffix != ".ckpt"]
     assert not strays, f"non-checkpoint files in the checkpoint folder: {strays}"
     steps = {}
