@@ -69,8 +69,7 @@ class RLOOCLI(LightningCLI):
         super().__init__(*args, **kwargs)
 
     def subcommands(self) -> dict[str, set[str]]:
-        every = LightningCLI.subcommands()
-        return {self.only: every[self.only]} if self.only in every else every
+        return _subcommands_built(self.only)
 
     def add_arguments_to_parser(self, parser) -> None:
         for source, target in LINKS:
@@ -355,6 +354,12 @@ def _run_reporting_errors(args: list[str] | None) -> None:
         sys.exit(1)
 
 
+def _subcommands_built(only: str | None) -> dict[str, set[str]]:
+    """LightningCLI's subcommands whose parsers a command builds: ``only`` if it is one, else all four."""
+    every = LightningCLI.subcommands()
+    return {only: every[only]} if only in every else every
+
+
 def _subcommand_of(argv: list[str]) -> str | None:
     """The subcommand named in ``argv`` (``fit``, ``test``, ..., ``export``, ``serve``), wherever it stands: a top-level
     ``--config file.yaml`` may come before it."""
@@ -384,8 +389,7 @@ def _run(args: list[str] | None) -> None:
     # exit_on_error=False: a parse error raises (main prints it as one line) instead of printing the usage.
     # allow_abbrev=False: a misspelt option is an error, never another option's prefix (--trainer.max_step).
     strict = {"exit_on_error": False, "allow_abbrev": False}
-    built = [subcommand] if subcommand in LightningCLI.subcommands() else list(LightningCLI.subcommands())
-    parser_kwargs = {**strict, **{name: dict(strict) for name in built}}
+    parser_kwargs = {**strict, **{name: dict(strict) for name in _subcommands_built(subcommand)}}
     # seed_everything 0 unless configured: what Lightning falls back to anyway, without its "No seed found" warning.
     cli = RLOOCLI(RLOOModule, PromptDataModule, save_config_kwargs={"overwrite": True}, parser_kwargs=parser_kwargs,
                   seed_everything_default=0, args=args, only=subcommand)
